@@ -1,8 +1,10 @@
-"""Child for the ledger crash test: reserve/commit cycles until killed.
+"""Child process of the ledger crash test (tests/test_ledger.py): reserve/commit until killed.
 
-Prints ``released N`` only after the N-th reserve() returned (i.e. after the spend is
-durable and an upload could have left), so the parent knows a lower bound on what the
-ledger must show after a SIGKILL.
+Usage: ``python tests/ledger_crash_child.py LEDGER_PATH CYCLES``. Creates the ledger if it
+is missing, then runs CYCLES reserve/commit cycles, printing ``released N`` (N: the number
+of reservations now in the ledger) only after ``reserve`` returned, i.e. at the moment a
+real device would let its upload leave. The parent SIGKILLs it at a random time; whatever
+it printed is a lower bound on what the ledger must show afterwards.
 """
 
 import sys
@@ -10,13 +12,23 @@ import sys
 from edge_sdk.ledger import Budget, Ledger, Plan
 from edge_sdk.privacy import PoissonSubsampledGaussian
 
-path, cycles = sys.argv[1], int(sys.argv[2])
+BUDGET = Budget(epsilon=1e6, delta=1e-5)
+DEVICE_ID = "crash-child"
 EVENT = PoissonSubsampledGaussian(noise_multiplier=4.0, sample_rate=0.01, steps=10)
-with Ledger.open(path, budget=Budget(epsilon=1e6, delta=1e-5), device_id="crash") as ledger:
-    count = sum(1 for e in ledger.entries() if e["kind"] == "reserve")
-    for _ in range(cycles):
-        res = ledger.reserve(Plan(round_id=f"r{count}", model_id="m", event=EVENT))
-        count += 1
-        print(f"released {count}", flush=True)
-        ledger.commit(res)
-print("done", flush=True)
+COHORT, THRESHOLD = 16, 11
+
+
+def main(path: str, cycles: int) -> None:
+    with Ledger.open(path, budget=BUDGET, device_id=DEVICE_ID, create=True) as ledger:
+        count = len(ledger.reservations())
+        for _ in range(cycles):
+            res = ledger.reserve(Plan(round_id=f"r{count + 1}", model_id="m", event=EVENT,
+                                      cohort_size=COHORT, secagg_threshold=THRESHOLD))
+            count += 1
+            print(f"released {count}", flush=True)  # the upload may leave now
+            ledger.commit(res)
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

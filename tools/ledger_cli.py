@@ -1,4 +1,22 @@
-"""``fedge ledger show`` and ``fedge ledger verify``: read a device's privacy ledger."""
+"""``fedge ledger show`` and ``fedge ledger verify``: read a device's privacy ledger.
+
+``show`` prints every entry with the running local and aggregate epsilon (nats, at the
+budget's delta) after it, then the totals. ``--json`` prints one object::
+
+    {"entries": [{"seq", "kind", "reservation", "round_id", "model_id", "time", "event",
+                  "cohort_size", "secagg_threshold", "prev_hash", "hash",
+                  "running_local_epsilon", "running_aggregate_epsilon"}, ...],
+     "local_epsilon": float, "aggregate_epsilon": float, "delta": float,
+     "accountant": "rdp" | "pld", "budget": {"epsilon": float, "delta": float},
+     "device_id": str, "head": str, "reservations": int, "pending": int}
+
+An infinite epsilon (a release without noise) is ``null``. Every reservation counts,
+committed or not. The aggregate figures hold only under the secure-aggregation threshold
+assumption (see :mod:`edge_sdk.ledger`).
+
+Exit status: 0 ok; 3 the ledger is missing or corrupted (a device must not train on it);
+1 any other ledger error.
+"""
 
 from __future__ import annotations
 
@@ -8,74 +26,126 @@ import math
 import sys
 import time
 
-from edge_sdk.ledger import Ledger, LedgerCorrupted, event_from_json, running_epsilon
+from edge_sdk.ledger import (
+    Entry,
+    Ledger,
+    LedgerCorrupted,
+    LedgerError,
+    entry_to_json,
+    epsilon_pld,
+    epsilon_rdp,
+    running_epsilon,
+)
 
 __all__ = ["add_ledger_parser", "run_ledger"]
 
 DEFAULT_PATH = "fedge-ledger.db"
+EXIT_ERROR = 1
 EXIT_CORRUPTED = 3
+_PATH_HELP = f"the ledger file (default {DEFAULT_PATH})"
+ACCOUNTANTS = {"rdp": epsilon_rdp, "pld": epsilon_pld}
 
 
-def add_ledger_parser(sub: argparse._SubParsersAction) -> None:
+def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``ledger show`` and ``ledger verify`` on the ``fedge`` parser."""
-    p = sub.add_parser("ledger", help="a device's privacy ledger")
+    p = subparsers.add_parser("ledger", help="a device's privacy ledger")
     lsub = p.add_subparsers(dest="ledger_command", required=True)
     show = lsub.add_parser("show", help="every entry and the running local/aggregate epsilon")
-    show.add_argument("--path", default=DEFAULT_PATH)
-    show.add_argument("--json", action="store_true")
-    verify = lsub.add_parser("verify", help="check the file and its hash chain")
-    verify.add_argument("--path", default=DEFAULT_PATH)
+    show.add_argument("--path", default=DEFAULT_PATH, help=_PATH_HELP)
+    show.add_argument("--json", action="store_true", help="print one JSON object")
+    show.add_argument("--accountant", choices=sorted(ACCOUNTANTS), default="rdp",
+                      help="rdp (default: what the device enforces its budget with) or pld "
+                           "(tightest; slow on long ledgers)")
+    verify = lsub.add_parser("verify", help="check the file, its schema and its hash chain")
+    verify.add_argument("--path", default=DEFAULT_PATH, help=_PATH_HELP)
 
 
 def _finite(v: float) -> float | None:
     return v if math.isfinite(v) else None
 
 
+def _eps(v: float) -> str:
+    return f"{v:.4g}" if math.isfinite(v) else "inf"
+
+
 def run_ledger(args: argparse.Namespace) -> int:
-    """Exit 0 on success, 3 when the ledger is missing or corrupted (fail closed)."""
+    """Run ``fedge ledger show|verify``; returns the exit status (see the module docstring)."""
+    accountant = ACCOUNTANTS[getattr(args, "accountant", "rdp")]
     try:
-        ledger = Ledger.open(args.path, create=False)
+        with Ledger.open(args.path, create=False, accountant=accountant) as ledger:
+            if args.ledger_command == "verify":
+                _verify(ledger)
+            else:
+                _show(ledger, args.json, getattr(args, "accountant", "rdp"))
     except LedgerCorrupted as exc:
         print(f"fedge ledger: {exc}", file=sys.stderr)
+        print("fedge ledger: the device must not train on this ledger", file=sys.stderr)
         return EXIT_CORRUPTED
-    with ledger:
-        if args.ledger_command == "verify":
-            print(f"ok: {len(ledger.entries())} entries, head {ledger.head()[:16]}")
-            return 0
-        spent = ledger.spent()
-        entries = ledger.entries()
-        running = running_epsilon(
-            [(event_from_json(e["event"]), e["cohort_size"]) for e in entries
-             if e["kind"] == "reserve"], ledger.budget.delta)
-        reserves = iter(running)
-        for e in entries:  # cumulative spend after each reservation (RDP accountant)
-            if e["kind"] == "reserve":
-                e["running_local_epsilon"], e["running_aggregate_epsilon"] = (
-                    _finite(v) for v in next(reserves))
-        if args.json:
-            print(json.dumps({
-                "device_id": ledger.device_id,
-                "budget": {"epsilon": ledger.budget.epsilon, "delta": ledger.budget.delta},
-                "entries": entries,
-                "local_epsilon": _finite(spent.local_epsilon),
-                "aggregate_epsilon": _finite(spent.aggregate_epsilon),
-                "delta": spent.delta,
-                "accountant": "pld",
-            }, allow_nan=False))
-            return 0
-        print(f"device {ledger.device_id or '-'}: budget eps={ledger.budget.epsilon:g} "
-              f"at delta={ledger.budget.delta:g}")
-        for e in entries:
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e["time"]))
-            what = e["event"] if e["kind"] == "reserve" else f"commit of {e['ref']}"
-            total = ""
-            if e["kind"] == "reserve":
-                total = (f" -> local eps {e['running_local_epsilon']:.4g}, "
-                         f"aggregate {e['running_aggregate_epsilon']:.4g}")
-            print(f"{e['seq']:>6} {when} {e['kind']:<7} round {e['round_id']} "
-                  f"model {e['model_id']} r={e['cohort_size']} {what}{total}")
-        print(f"spent: local eps={spent.local_epsilon:.4g}, aggregate eps="
-              f"{spent.aggregate_epsilon:.4g} (valid under the secure-aggregation threshold "
-              f"assumption) at delta={spent.delta:g}, {spent.releases} releases, PLD accountant "
-              "(running values: RDP)")
-        return 0
+    except LedgerError as exc:
+        print(f"fedge ledger: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    return 0
+
+
+def _verify(ledger: Ledger) -> None:
+    entries = ledger.entries()
+    kinds = [e.kind for e in entries]
+    print(f"ok: {ledger.path}: {len(entries)} entries, {kinds.count('reserve')} reservations "
+          f"({kinds.count('commit')} committed, {kinds.count('abort')} aborted, "
+          f"{len(ledger.pending())} pending), head {ledger.head()}")
+
+
+def _running(ledger: Ledger, entries: tuple[Entry, ...]) -> list[tuple[float, float]]:
+    """(local, aggregate) epsilon after each entry; commit/abort entries change nothing."""
+    reservations = ledger.reservations()
+    totals = dict(zip((r.seq for r in reservations),
+                      running_epsilon([r.plan for r in reservations], ledger.budget.delta,
+                                      ledger.accountant), strict=True))
+    out, last = [], (0.0, 0.0)
+    for e in entries:
+        last = totals.get(e.seq, last)
+        out.append(last)
+    return out
+
+
+def _show(ledger: Ledger, as_json: bool, accountant: str) -> None:
+    entries = ledger.entries()
+    running = _running(ledger, entries)
+    spent = ledger.spent()
+    if as_json:
+        rows = []
+        for e, (local, agg) in zip(entries, running, strict=True):
+            row = entry_to_json(e)
+            row["running_local_epsilon"] = _finite(local)
+            row["running_aggregate_epsilon"] = _finite(agg)
+            rows.append(row)
+        print(json.dumps({
+            "entries": rows,
+            "local_epsilon": _finite(spent.local_epsilon),
+            "aggregate_epsilon": _finite(spent.aggregate_epsilon),
+            "delta": spent.delta,
+            "accountant": accountant,
+            "budget": {"epsilon": ledger.budget.epsilon, "delta": ledger.budget.delta},
+            "device_id": ledger.device_id,
+            "head": ledger.head(),
+            "reservations": spent.entries,
+            "pending": len(ledger.pending()),
+        }, allow_nan=False))
+        return
+    b = ledger.budget
+    print(f"ledger {ledger.path}: device {ledger.device_id}, budget eps={b.epsilon:g} at "
+          f"delta={b.delta:g}, accountant {accountant}")
+    print(f"{'seq':>6}  {'time (UTC)':<19}  {'kind':<7}  {'round':<10} {'model':<10} "
+          f"{'r':>4} {'t':>4}  {'local eps':>9} {'aggr. eps':>9}  event")
+    for e, (local, agg) in zip(entries, running, strict=True):
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e.time))
+        r = "" if e.cohort_size is None else str(e.cohort_size)
+        t = "" if e.secagg_threshold is None else str(e.secagg_threshold)
+        what = repr(e.event) if e.kind == "reserve" else f"({e.kind} of entry {e.reservation})"
+        print(f"{e.seq:>6}  {when:<19}  {e.kind:<7}  {e.round_id:<10} {e.model_id:<10} "
+              f"{r:>4} {t:>4}  {_eps(local):>9} {_eps(agg):>9}  {what}")
+    print(f"spent: local eps={_eps(spent.local_epsilon)}, aggregate eps="
+          f"{_eps(spent.aggregate_epsilon)} (aggregate valid only under the secure-aggregation "
+          f"threshold assumption) at delta={spent.delta:g}; {spent.entries} reservations, "
+          f"{len(ledger.pending())} pending, all counted; {_eps(ledger.remaining())} of the "
+          "budget left")

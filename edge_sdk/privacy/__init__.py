@@ -8,6 +8,9 @@ Mechanisms are frozen data (:mod:`~edge_sdk.privacy.events`); accountants interp
 * :class:`PldAccountant` -- privacy loss distributions with pessimistic ("connect the
   dots") discretization: the tightest epsilon we report.
 * :class:`ZcdpAccountant` -- zCDP rho, Bun-Steinke and Canonne-Kamath-Steinke conversions.
+* :class:`DiscreteRdpAccountant` -- the discrete Gaussian / Skellam noise that secure
+  aggregation's distributed DP adds in the integers (Kairouz-Liu-Steinke 2021,
+  Agarwal-Kairouz-Liu 2021).
 
 :func:`calibrate_noise_multiplier` finds the smallest safe noise for a target. The papers'
 own formulas live in :mod:`edge_sdk.privacy.paper_bounds` (labelled, not re-exported here:
@@ -18,6 +21,17 @@ divided by L2 sensitivity; RDP in nats per order.
 """
 
 from edge_sdk.privacy.calibration import calibrate_noise_multiplier, epsilon_for
+from edge_sdk.privacy.discrete import (
+    DiscreteEvent,
+    DiscreteRdpAccountant,
+    DistributedDiscreteGaussian,
+    DistributedSkellam,
+    ddg_tau,
+    discrete_epsilon,
+    rdp_distributed_discrete_gaussian,
+    rdp_distributed_skellam,
+    rdp_of,
+)
 from edge_sdk.privacy.events import (
     Composed,
     Event,
@@ -48,7 +62,11 @@ from edge_sdk.privacy.zcdp import (
 __all__ = [
     "DEFAULT_ORDERS",
     "Composed",
+    "DiscreteEvent",
     "DiscretePld",
+    "DiscreteRdpAccountant",
+    "DistributedDiscreteGaussian",
+    "DistributedSkellam",
     "Event",
     "Gaussian",
     "PldAccountant",
@@ -59,10 +77,15 @@ __all__ = [
     "calibrate_noise_multiplier",
     "compute_rdp",
     "compute_rho",
+    "ddg_tau",
+    "discrete_epsilon",
     "discretize_subsampled_gaussian",
     "epsilon_for",
     "gaussian_rho",
+    "rdp_distributed_discrete_gaussian",
+    "rdp_distributed_skellam",
     "rdp_gaussian",
+    "rdp_of",
     "rdp_poisson_subsampled_gaussian",
     "rdp_sampled_without_replacement_gaussian",
     "rdp_to_epsilon",

@@ -1,0 +1,314 @@
+"""Benchmark: secure aggregation (SecAgg+ with double masking), against the PRG floor.
+
+One call runs a *complete* round in memory at the requested cohort size n and dimension d
+(``edge_sdk.secagg`` devices, ``aggregator.secure_sum`` aggregator, every message through
+msgpack bytes, every signature checked), with ``round(dropout * n)`` devices, chosen
+uniformly with a fixed seed, vanishing after they shared their keys and before they upload:
+the expensive case, where the aggregator reconstructs their mask keys and recomputes their
+pairwise masks toward every surviving neighbour. ``exact`` compares the unmasked sum with
+the sum of the survivors' inputs computed directly (numpy uint64 addition, reduced mod 2^b).
+
+Timings (``time.perf_counter``, single process, best of ``reps`` where repeated):
+
+* ``client_mask_s``: one device's masking work: k X25519 agreements + HKDF for the
+  pairwise seeds, then k + 1 PRG expansions of d words added into the vector
+  (``edge_sdk.secagg.mask``). It is timed on fresh keys with exactly the functions and
+  the counts a surviving device of this round uses (k neighbours that all shared keys).
+  The representative device's real protocol steps, which also verify signatures,
+  open the sealed shares, pack and sign, are reported in ``client_stage_s``.
+* ``prg_bound_s`` (= ``client_prg_bound_s``): ``prg_expand`` alone for those k + 1 masks,
+  each written into one preallocated buffer (no allocation, no arithmetic): the physical
+  floor of the device's masking on this machine.
+* ``server_unmask_s``: the aggregator's :meth:`SecAggServer.finalize` in the real run:
+  pairwise-seed agreement with each recovered mask key, PRG expansion of every mask that
+  does not cancel (one self mask per survivor, one pairwise mask per (dropped device,
+  surviving neighbour) pair) and their subtraction. Shamir reconstruction
+  (:meth:`SecAggServer.recover`) is ``server_shamir_s``; summing the uploads as they
+  arrive (signature checks, unpacking, additions) is ``server_collect_s``.
+* ``server_prg_bound_s``: ``prg_expand`` alone, into one buffer, for that many masks of
+  d words.
+* ``bytes_up_per_client``: the exact msgpack bytes the representative device sends in the
+  round (advertise + sealed shares + masked input + unmask answer; MQTT framing, about 30
+  bytes per message, not included). ``bytes_vector`` = ceil(d * b / 8) is the packed
+  vector alone; ``bytes_masked_input`` is that message.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from typing import Any, TextIO
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from aggregator.secure_sum import SecAggServer
+from edge_sdk.secagg import (
+    AggregatorIdentity,
+    DeviceIdentity,
+    Registry,
+    RoundConfig,
+    RoundFailed,
+    SecAggClient,
+    decode_message,
+    derive_pairwise_seed,
+    encode_message,
+    mask,
+    mask_sign,
+    prg_expand,
+)
+from tools.bench.client import machine
+
+__all__ = ["run_secagg_bench"]
+
+
+def _rand(rng: np.random.Generator) -> Any:
+    return lambda n: rng.bytes(n)
+
+
+def _best(fn: Any, reps: int) -> float:
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _client_masking(
+    *,
+    dim: int,
+    bits: int,
+    degree: int,
+    digest: bytes,
+    me: str,
+    peers: list[str],
+    rng: np.random.Generator,
+    reps: int,
+) -> tuple[float, float]:
+    """(masking time, PRG floor) of one device with ``degree`` neighbours, best of reps."""
+    sk = X25519PrivateKey.from_private_bytes(rng.bytes(32))
+    peer_pks = [
+        X25519PrivateKey.from_private_bytes(rng.bytes(32)).public_key() for _ in range(degree)
+    ]
+    self_seed = rng.bytes(32)
+    x = (
+        rng.integers(0, 1 << bits, size=dim, dtype=np.uint64)
+        if bits < 64
+        else rng.integers(0, 2**63, size=dim, dtype=np.uint64)
+    )
+
+    def masking() -> None:
+        seeds = [derive_pairwise_seed(sk.exchange(pk), context=digest) for pk in peer_pks]
+        mask(
+            x,
+            bits=bits,
+            terms=[(1, self_seed)]
+            + [(mask_sign(me, v), s) for v, s in zip(peers, seeds, strict=True)],
+        )
+
+    seeds = [self_seed] + [rng.bytes(32) for _ in range(degree)]
+    buf = np.empty(dim, dtype=np.uint64)
+
+    def floor() -> None:
+        for s in seeds:
+            prg_expand(s, dim, out=buf)
+
+    masking()  # warm up allocator and cipher code paths
+    floor()
+    return _best(masking, reps), _best(floor, reps)
+
+
+def _server_floor(count: int, dim: int, rng: np.random.Generator, reps: int) -> float:
+    seeds = [rng.bytes(32) for _ in range(count)]
+    buf = np.empty(dim, dtype=np.uint64)
+
+    def floor() -> None:
+        for s in seeds:
+            prg_expand(s, dim, out=buf)
+
+    return _best(floor, reps)
+
+
+def run_secagg_bench(
+    clients: int,
+    dim: int,
+    dropout: float,
+    neighbors: int | None = None,
+    full_graph: bool = False,
+    *,
+    bits: int = 32,
+    seed: int = 0,
+    reps: int = 3,
+    out: TextIO | None = sys.stdout,
+) -> dict[str, Any]:
+    """Run one full secure-aggregation round and time it against the PRG floor.
+
+    Args:
+        clients: cohort size n, >= 3.
+        dim: values per device d, >= 1.
+        dropout: fraction of the cohort that drops after sharing keys, in [0, 1).
+        neighbors: SecAgg+ degree k (rounded up to even); default ``2 * ceil(log2 n)``.
+        full_graph: every device neighbours every other (the original O(n^2) SecAgg).
+        bits: ring size b (sums mod 2^b), 1..64; 32 by default.
+        seed: seeds the keys, the inputs and the dropout set (results are reproducible;
+            keys from a seeded generator are for benchmarking only).
+        reps: repetitions of the client and floor timings (best is reported).
+        out: where to print the JSON line (None: print nothing).
+
+    Returns:
+        The contract keys ``exact``, ``client_mask_s``, ``server_unmask_s``,
+        ``bytes_up_per_client``, ``prg_bound_s``, then details (module docstring).
+    """
+    if not isinstance(clients, int) or clients < 3:
+        raise ValueError(f"clients must be an integer >= 3, got {clients!r}")
+    if not isinstance(dim, int) or dim < 1:
+        raise ValueError(f"dim must be an integer >= 1, got {dim!r}")
+    if not (isinstance(dropout, int | float) and 0 <= dropout < 1):
+        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+    started = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    ids = [f"d{i:05d}" for i in range(clients)]
+    key_rand = _rand(rng)
+    identities = {d: DeviceIdentity.generate(d, random_bytes=key_rand) for d in ids}
+    aggregator = AggregatorIdentity.generate(random_bytes=key_rand)
+    registry = Registry.of(aggregator, identities.values())
+    cfg = RoundConfig.for_cohort(
+        round_id=1,
+        nonce=rng.bytes(32),
+        cohort=ids,
+        bits=bits,
+        length=dim,
+        degree=neighbors,
+        full_graph=full_graph,
+    )
+    n_drop = round(dropout * clients)
+    dropped = {ids[i] for i in rng.choice(clients, size=n_drop, replace=False)}
+    rep = next(d for d in ids if d not in dropped)
+    ring = np.uint64((1 << bits) - 1)
+
+    def input_of(dev: str) -> np.ndarray:
+        r = np.random.default_rng([seed, 2, int(dev[1:])])
+        return (
+            r.integers(0, 1 << bits, size=dim, dtype=np.uint64)
+            if bits < 64
+            else r.integers(0, 2**64, size=dim, dtype=np.uint64, endpoint=False)
+        )
+
+    server = SecAggServer(identity=aggregator, registry=registry, config=cfg)
+    devices = {
+        d: SecAggClient(
+            identity=identities[d],
+            registry=registry,
+            config=cfg,
+            random_bytes=_rand(np.random.default_rng([seed, 1, i])),
+        )
+        for i, d in enumerate(ids)
+    }
+    stage_s: dict[str, float] = {}
+    sent_bytes: dict[str, int] = {}
+    collect_s = 0.0
+
+    def step(dev: str, stage: str, call: Any) -> Any:
+        t0 = time.perf_counter()
+        msg = call()
+        if dev == rep:
+            stage_s[stage] = time.perf_counter() - t0
+        data = encode_message(msg)
+        if dev == rep:
+            sent_bytes[stage] = len(data)
+        return decode_message(data)
+
+    failed = None
+    expected = np.zeros(dim, dtype=np.uint64)
+    total = None
+    shamir_s: float | None = None
+    unmask_s: float | None = None
+    try:
+        for d in ids:
+            server.receive(step(d, "advertise", devices[d].advertise))
+        for d, m in server.close_advertise().items():
+            m = decode_message(encode_message(m))
+            server.receive(step(d, "share_keys", lambda d=d, m=m: devices[d].share_keys(m)))
+        for d, m in server.close_share_keys().items():
+            if d in dropped:
+                continue
+            m = decode_message(encode_message(m))
+            x = input_of(d)
+            np.add(expected, x, out=expected)
+            up = step(d, "mask_input", lambda d=d, m=m, x=x: devices[d].mask_input(m, x))
+            t0 = time.perf_counter()
+            server.receive(up)
+            collect_s += time.perf_counter() - t0
+        for d, m in server.close_masked_input().items():
+            m = decode_message(encode_message(m))
+            server.receive(step(d, "unmask", lambda d=d, m=m: devices[d].unmask(m)))
+        t0 = time.perf_counter()
+        server.recover()
+        shamir_s = time.perf_counter() - t0
+        server_masks = server.mask_count()
+        t0 = time.perf_counter()
+        total = server.finalize()
+        unmask_s = time.perf_counter() - t0
+    except RoundFailed as e:
+        failed = str(e)
+        server_masks = 0
+    exact = total is not None and bool(np.array_equal(total, expected & ring))
+    round_s = time.perf_counter() - started
+
+    client_mask_s, client_floor = _client_masking(
+        dim=dim,
+        bits=bits,
+        degree=cfg.degree,
+        digest=cfg.digest(),
+        me=rep,
+        peers=list(cfg.neighbours(rep)),
+        rng=rng,
+        reps=reps,
+    )
+    server_floor = _server_floor(server_masks, dim, rng, max(1, reps - 1)) if server_masks else None
+
+    def r6(v: float | None) -> float | None:
+        return None if v is None else round(v, 6)
+
+    vector_bytes = (dim * bits + 7) // 8
+    result: dict[str, Any] = {
+        "exact": exact,
+        "client_mask_s": round(client_mask_s, 6),
+        "server_unmask_s": r6(unmask_s),
+        "bytes_up_per_client": sum(sent_bytes.values()),
+        "prg_bound_s": round(client_floor, 6),
+        "client_prg_bound_s": round(client_floor, 6),
+        "server_prg_bound_s": r6(server_floor),
+        "client_mask_over_bound": round(client_mask_s / client_floor, 3),
+        "server_unmask_over_bound": None
+        if unmask_s is None or server_floor is None
+        else round(unmask_s / server_floor, 3),
+        "server_shamir_s": r6(shamir_s),
+        "server_collect_s": round(collect_s, 6),
+        "client_stage_s": {k: round(v, 6) for k, v in stage_s.items()},
+        "bytes_vector": vector_bytes,
+        "bytes_masked_input": sent_bytes.get("mask_input"),
+        "bytes_by_message": sent_bytes,
+        "bytes_overhead": sum(sent_bytes.values()) - vector_bytes,
+        "clients": clients,
+        "dim": dim,
+        "bits": bits,
+        "dropout": dropout,
+        "dropped_after_share_keys": n_drop,
+        "survivors": len(server.survivors),
+        "degree": cfg.degree,
+        "threshold": cfg.threshold,
+        "full_graph": full_graph,
+        "masks_client": cfg.degree + 1,
+        "masks_server": server_masks,
+        "exact_checked_on": f"the full round at n={clients}, d={dim}",
+        "failed": failed,
+        "run_s": round(round_s, 3),
+        "machine": machine(),
+    }
+    if out is not None:
+        print(json.dumps(result), file=out)
+    return result
