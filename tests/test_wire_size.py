@@ -14,10 +14,10 @@ def test_update_round_trips_and_carries_the_version() -> None:
 
 
 def test_mqtt_publish_size_by_hand() -> None:
-    topic = update_topic("f", "d")  # "fedge/f/dev/d/update": 20 bytes
-    assert len(topic) == 20
-    # remaining = 2 + 20 + 2 (packet id) + 1 (empty properties) + 100 = 125 -> 1-byte varint
-    assert mqtt_publish_size(topic, 100) == 1 + 1 + 125
-    # 200 payload bytes: remaining 225 needs a 2-byte varint
-    assert mqtt_publish_size(topic, 200) == 1 + 2 + 225
-    assert mqtt_publish_size(topic, 100, qos=0) == 1 + 1 + 123
+    topic = update_topic("f", "d")  # "fedge/f/dev/d/up/update": 23 bytes
+    assert len(topic) == 23
+    # remaining = 2 + 23 + 2 (packet id) + 1 (empty properties) + 100 = 128 -> 2-byte varint
+    assert mqtt_publish_size(topic, 100) == 1 + 2 + 128
+    # 97 payload bytes: remaining 125 still fits a 1-byte varint
+    assert mqtt_publish_size(topic, 97) == 1 + 1 + 125
+    assert mqtt_publish_size(topic, 100, qos=0) == 1 + 1 + 126
