@@ -39,8 +39,10 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--partition", help="iid | het:K | dirichlet:ALPHA")
     p.add_argument("--sampling", choices=["poisson", "shuffle"])
     p.add_argument("--server-lr", type=float)
-    p.add_argument("--server-opt", choices=["fedavg", "fedspa"],
-                   help="server optimizer (fedspa: Fed-SPA's adaptive update, eq. (6))")
+    p.add_argument("--server-opt",
+                   choices=["fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedspa"],
+                   help="server optimizer (fedspa: Fed-SPA's adaptive update, eq. (6); "
+                        "fedadam/fedyogi/fedadagrad: Reddi et al. 2021)")
     p.add_argument("--mechanism", choices=["gaussian", "update-noise", "binomial"],
                    help="gaussian: noise every step (default); update-noise: privatized "
                         "FedPAQ, noise once on the clipped update; binomial: cpSGD baseline")
@@ -102,15 +104,62 @@ def _export(args: argparse.Namespace) -> int:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks against a reference measured in the same run")
-    p.add_argument("what", choices=["all", "client", "wire", "accountant"],
+    p.add_argument("what", choices=["all", "client", "wire", "accountant", "secagg"],
                    help="all: every benchmark, written to docs/benchmarks.md; client: "
                         "DP-SGD step, fedge vs Opacus; wire: bytes per upload; "
-                        "accountant: fedge vs dp_accounting")
+                        "accountant: fedge vs dp_accounting; secagg: one full SecAgg+ "
+                        "round vs the mask PRG's floor (needs --clients, --dim, --dropout)")
     p.add_argument("--quick", action="store_true", help="fewer configurations and repetitions")
     p.add_argument("--json-out", help="write the rows as JSON here")
+    g = p.add_argument_group("secagg")
+    g.add_argument("--clients", type=int, help="cohort size n (>= 3)")
+    g.add_argument("--dim", type=int, help="values per device d")
+    g.add_argument("--dropout", type=float,
+                   help="fraction of the cohort that drops after sharing keys, in [0, 1)")
+    g.add_argument("--neighbors", type=int,
+                   help="SecAgg+ degree k (rounded up to even; default 2 * ceil(log2 n))")
+    g.add_argument("--full-graph", action="store_true",
+                   help="every device neighbours every other (the original O(n^2) SecAgg)")
+    g.add_argument("--bits", type=int, help="ring size b: sums mod 2^b (default 32)")
+    g.add_argument("--json", action="store_true",
+                   help="print the result as one JSON object (else a one-line summary)")
+
+
+_SECAGG_ONLY = ("clients", "dim", "dropout", "neighbors", "bits")
+
+
+def _bench_secagg(args: argparse.Namespace) -> dict[str, object]:
+    from tools.bench.secagg import run_secagg_bench
+
+    missing = [f"--{k}" for k in ("clients", "dim", "dropout") if getattr(args, k) is None]
+    if missing:
+        raise ValueError(f"bench secagg needs {', '.join(missing)}")
+    if args.full_graph and args.neighbors is not None:
+        raise ValueError("--full-graph and --neighbors exclude each other")
+    extra = {"bits": args.bits} if args.bits is not None else {}
+    result = run_secagg_bench(args.clients, args.dim, args.dropout, args.neighbors,
+                              args.full_graph, reps=1 if args.quick else 3,
+                              out=sys.stdout if args.json else None, **extra)
+    if not args.json:
+        if result["failed"]:
+            print(f"secagg: {result['failed']}")
+        else:
+            print(f"secagg n={result['clients']} d={result['dim']} k={result['degree']}: "
+                  f"exact={result['exact']}, client mask {result['client_mask_s']:.4f} s "
+                  f"({result['client_mask_over_bound']}x PRG floor), server unmask "
+                  f"{result['server_unmask_s']:.4f} s ({result['server_unmask_over_bound']}x), "
+                  f"Shamir {result['server_shamir_s']:.4f} s, "
+                  f"{result['bytes_up_per_client']} B up per client "
+                  f"({result['bytes_vector']} B vector), round {result['run_s']} s")
+    return {"secagg": result}
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.what != "secagg":
+        given = [f"--{k}" for k in _SECAGG_ONLY if getattr(args, k) is not None]
+        given += ["--full-graph"] * args.full_graph + ["--json"] * args.json
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply to bench secagg")
     if args.what == "all":
         from tools.bench.report import run_all
 
@@ -124,6 +173,8 @@ def _bench(args: argparse.Namespace) -> int:
         from tools.bench.accountant import run_accountant_bench
 
         result = {"accountant": run_accountant_bench(quick=args.quick)}
+    elif args.what == "secagg":
+        result = _bench_secagg(args)
     else:
         from tools.bench.wire import run_wire_bench
 
