@@ -8,6 +8,9 @@ the expensive case, where the aggregator reconstructs their mask keys and recomp
 pairwise masks toward every surviving neighbour. ``exact`` compares the unmasked sum with
 the sum of the survivors' inputs computed directly (numpy uint64 addition, reduced mod 2^b).
 
+Command line: ``fedge bench secagg --clients N --dim D --dropout F [--neighbors K]
+[--full-graph] [--bits B] --json`` prints the returned object as one JSON line.
+
 Timings (``time.perf_counter``, single process, best of ``reps`` where repeated):
 
 * ``client_mask_s``: one device's masking work: k X25519 agreements + HKDF for the
