@@ -1,4 +1,4 @@
-"""The ``fedge`` command line: simulate, export, bench, privacy, ledger.
+"""The ``fedge`` command line: simulate, export, bench, privacy, ledger, broker, experiment.
 
 Heavy imports (torch for ``export``, opacus for ``bench``) happen inside the subcommand
 that needs them, so ``fedge simulate`` starts with numpy and onnxruntime only.
@@ -197,6 +197,75 @@ def _ledger(args: argparse.Namespace) -> int:
     return run_ledger(args)
 
 
+def _add_broker(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("broker", help="a locked-down local mosquitto for a fleet")
+    bsub = p.add_subparsers(dest="broker_command", required=True)
+    c = bsub.add_parser("config", help="write mosquitto.conf, passwords, ACLs, TLS material "
+                                       "and credentials.json for N devices")
+    c.add_argument("--devices", type=int, required=True, help="fleet size (dev-0000, ...)")
+    c.add_argument("--fleet", default="fleet", help="fleet name (topics fedge/<fleet>/...)")
+    c.add_argument("--port", type=int, help="listener port on 127.0.0.1 (default 8883 with "
+                                            "TLS, 1883 without)")
+    c.add_argument("--out", default="broker", help="output directory (default: ./broker)")
+    c.add_argument("--no-tls", action="store_true", help="plain TCP (local experiments only)")
+    c.add_argument("--messages-per-round", type=int, default=64,
+                   help="most messages one device sends per round (sizes the broker queues)")
+
+
+def _broker(args: argparse.Namespace) -> int:
+    from tools.broker import device_names, write_broker_config
+
+    tls = not args.no_tls
+    port = args.port if args.port is not None else (8883 if tls else 1883)
+    cfg = write_broker_config(args.out, devices=device_names(args.devices), fleet=args.fleet,
+                              port=port, tls=tls, messages_per_round=args.messages_per_round)
+    print(f"wrote {cfg.config_file} ({len(cfg.devices)} devices, fleet {cfg.fleet!r}, "
+          f"{'TLS' if tls else 'plain TCP'} on {cfg.host}:{cfg.port})")
+    print(f"credentials (keep private): {cfg.credentials_file}")
+    if cfg.ca_file is not None:
+        print(f"CA certificate for clients: {cfg.ca_file}")
+    print(f"run it with: mosquitto -c {cfg.config_file}")
+    return 0
+
+
+def _add_experiment(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("experiment", help="the papers' experiments: run, list, report "
+                                          "(docs/results.md)")
+    esub = p.add_subparsers(dest="experiment_command", required=True)
+    esub.add_parser("list", help="the declared experiments (tools/experiments/*.toml)")
+    r = esub.add_parser("run", help="run one experiment (resumable: finished runs are skipped)")
+    r.add_argument("name", help="experiment name, or 'all'")
+    r.add_argument("--quick", action="store_true", help="the small CI-sized variant")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a simulator setting for every run (a separate variant)")
+    r.add_argument("--no-report", action="store_true", help="do not regenerate the report")
+    esub.add_parser("report", help="regenerate docs/results.md and its plots from stored runs")
+
+
+def _experiment(args: argparse.Namespace) -> int:
+    from tools.experiments import (
+        list_experiments,
+        load_experiment,
+        parse_overrides,
+        run_experiment,
+        write_report,
+    )
+
+    if args.experiment_command == "list":
+        for exp in list_experiments():
+            print(f"{exp.name:28} {exp.title}")
+        return 0
+    if args.experiment_command == "run":
+        overrides = parse_overrides(args.set)
+        exps = list_experiments() if args.name == "all" else [load_experiment(args.name)]
+        for exp in exps:
+            run_experiment(exp, quick=args.quick, overrides=overrides)
+        if args.no_report:
+            return 0
+    print(write_report())
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from tools.ledger_cli import add_ledger_parser
     from tools.privacy_cli import add_privacy_parser
@@ -208,9 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_bench(sub)
     add_privacy_parser(sub)
     add_ledger_parser(sub)
+    _add_broker(sub)
+    _add_experiment(sub)
     args = parser.parse_args(argv)
     commands = {"simulate": _simulate, "export": _export, "bench": _bench, "privacy": _privacy,
-                "ledger": _ledger}
+                "ledger": _ledger, "broker": _broker, "experiment": _experiment}
     try:
         return commands[args.command](args)
     except (ValueError, FileNotFoundError) as exc:
