@@ -1,0 +1,777 @@
+"""The aggregator's round state machine, sans-I/O: messages and a clock in, publishes out.
+
+One :class:`RoundMachine` runs a fleet's rounds (DESIGN, "One round, as data flows")::
+
+    IDLE            collect check-ins; once enough eligible devices are in, select a cohort
+                    uniformly (rng seeded by (policy.seed, round id)) and send the plan
+    COLLECT_KEYS    AdvertiseKeys          -> close_advertise()    -> NeighbourKeys
+    COLLECT_SHARES  ShareKeys              -> close_share_keys()   -> ForwardedShares
+    COLLECT_MASKED  MaskedInput (chunked)  -> close_masked_input() -> UnmaskRequest
+    COLLECT_UNMASK  UnmaskResponse         -> finalize(): decode the sum, server optimizer,
+                                              publish the new model (retained) -> IDLE
+
+A stage closes as soon as every device still expected has answered, or at its deadline
+(``policy.stage_timeout`` after it opened); devices missing then are dropped and the
+secure-aggregation protocol recovers them. A round in which fewer than
+``policy.min_survivors`` devices remain at any stage, or which ``SecAggServer`` cannot
+finish (:class:`edge_sdk.secagg.RoundFailed`), fails cleanly: nothing is unmasked, the
+cohort gets an ``ErrorNotice("round_failed")`` and the next round proceeds.
+
+Driving it (the MQTT service, or the tests' in-memory broker)::
+
+    m = RoundMachine(policy=..., identity=..., registry=..., params=initial_params)
+    adapter.subscribe(m.subscriptions())
+    send(m.on_connect(now))                       # the retained model (and, after a
+    send(m.on_message(topic, payload, now))       # restore, the stage's messages again)
+    send(m.on_tick(now))                          # deadlines, round starts
+
+Every inbound message is validated (wire structure, topic = sender, enrolled device,
+signature, round, stage, cohort membership, sizes); a bad one is logged (logger
+``aggregator.rounds``, ``extra={"fedge": {...}}``) and changes nothing: no exception ever
+leaves :meth:`RoundMachine.on_message`.
+
+Persistence: :meth:`RoundMachine.snapshot` is the complete state as bytes (model,
+optimizer state, check-ins, the round with its secure-aggregation server); the injected
+``checkpoint`` callable receives it after every stage transition, *before* the
+transition's messages are returned for sending, so a restart never loses a transition
+it already announced. The secure-aggregation server is snapshotted as its input log
+(accepted messages and stage closes) and rebuilt by replaying it: its arithmetic and its
+Ed25519 signatures are deterministic, so the replay reproduces it bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from aggregator.optimizers import OPTIMIZERS
+from aggregator.secure_sum import SecAggServer, ServerStage
+from edge_sdk import compress, secagg, wire
+from edge_sdk.secagg import (
+    AggregatorIdentity,
+    Registry,
+    RemoteProtocolError,
+    ReplayedMessage,
+    RoundFailed,
+)
+from edge_sdk.wire import (
+    CheckIn,
+    Decline,
+    ErrorNotice,
+    ModelUpdate,
+    Publish,
+    RoundPlan,
+    SecAggPacket,
+    UploadChunk,
+    WireArray,
+)
+
+__all__ = ["AggregatorError", "RoundMachine", "RoundOutcome", "RoundPolicy", "SnapshotError"]
+
+logger = logging.getLogger("aggregator.rounds")
+
+SNAPSHOT_FORMAT = "fedge-rounds"
+SNAPSHOT_VERSION = 1
+_HISTORY = 32  # outcomes kept (the snapshot stays bounded over a long-lived fleet)
+
+
+class AggregatorError(Exception):
+    """Root of the aggregator's errors."""
+
+
+class SnapshotError(AggregatorError):
+    """A snapshot that cannot be restored (malformed, another policy, another model)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundPolicy:
+    """How the aggregator runs rounds (validated on construction).
+
+    Attributes:
+        fleet: the fleet name (topics ``fedge/<fleet>/...``).
+        cohort_size: r, devices selected per round (>= 3, secure aggregation's minimum).
+        min_cohort: start a round with fewer (>= 3) once ``checkin_window`` has passed
+            with at least this many eligible devices; default ``cohort_size``.
+        checkin_window: seconds to wait for a full cohort once ``min_cohort`` is reached.
+        stage_timeout: seconds per secure-aggregation stage.
+        min_survivors: the fewest uploads ever unmasked (a round with fewer fails; the
+            devices' ledgers count the aggregate view with it); default the threshold.
+        max_rounds: stop starting rounds after this many (None: never stop).
+        steps, batch_size, lr, sampling, clip, noise_multiplier: the local round.
+        sparsity: rand-k kept fraction p; quant_levels: QSGD levels (0: none).
+        bits: ring size of the secure sum; value_bound: each uploaded value is clamped to
+            [-value_bound, value_bound]; scale: fixed-point scale (None: the largest for
+            which a cohort's sum cannot wrap).
+        degree, threshold: SecAgg+ neighbourhood (None: ``secagg`` defaults).
+        server_opt, server_lr: server optimizer from ``aggregator.optimizers.OPTIMIZERS``.
+        seed: seeds the cohort selection (with the round id).
+        max_packet: largest MQTT payload the devices may send (their chunk size).
+    """
+
+    fleet: str
+    cohort_size: int
+    min_cohort: int | None = None
+    checkin_window: float = 0.0
+    stage_timeout: float = 30.0
+    min_survivors: int | None = None
+    max_rounds: int | None = None
+    steps: int = 10
+    batch_size: int = 16
+    lr: float = 0.1
+    sampling: str = "poisson"
+    clip: float = 1.0
+    noise_multiplier: float = 1.0
+    sparsity: float = 1.0
+    quant_levels: int = 0
+    bits: int = 32
+    value_bound: float = 1.0
+    scale: float | None = None
+    degree: int | None = None
+    threshold: int | None = None
+    server_opt: str = "fedavg"
+    server_lr: float = 1.0
+    seed: int = 0
+    max_packet: int = wire.DEFAULT_MAX_PACKET
+
+    def __post_init__(self) -> None:
+        wire.check_name("fleet", self.fleet)
+        if not (isinstance(self.cohort_size, int) and self.cohort_size >= 3):
+            raise ValueError(f"cohort_size must be an integer >= 3, got {self.cohort_size!r}")
+        if self.min_cohort is not None and not 3 <= self.min_cohort <= self.cohort_size:
+            raise ValueError(f"min_cohort must be in [3, cohort_size={self.cohort_size}], "
+                             f"got {self.min_cohort!r}")
+        for name in ("checkin_window", "stage_timeout"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {v!r}")
+        if not self.stage_timeout > 0:
+            raise ValueError(f"stage_timeout must be > 0, got {self.stage_timeout!r}")
+        if self.max_rounds is not None and self.max_rounds < 0:
+            raise ValueError(f"max_rounds must be None or >= 0, got {self.max_rounds!r}")
+        if self.sampling not in ("poisson", "shuffle"):
+            raise ValueError(f"sampling must be 'poisson' or 'shuffle', got {self.sampling!r}")
+        if not (math.isfinite(self.clip) and self.clip > 0):
+            raise ValueError(f"clip must be finite and > 0, got {self.clip!r}")
+        if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
+            raise ValueError(
+                f"noise_multiplier must be finite and >= 0, got {self.noise_multiplier!r}")
+        if not 0 < self.sparsity <= 1:
+            raise ValueError(f"sparsity must be in (0, 1], got {self.sparsity!r}")
+        if not (math.isfinite(self.value_bound) and self.value_bound > 0):
+            raise ValueError(f"value_bound must be finite and > 0, got {self.value_bound!r}")
+        if self.server_opt not in OPTIMIZERS:
+            raise ValueError(f"server_opt must be one of {sorted(OPTIMIZERS)}, "
+                             f"got {self.server_opt!r}")
+        k = self.config_degree(self.cohort_size)
+        t = self.config_threshold(k)
+        if not 2 * t > k or t > k:
+            raise ValueError(f"threshold must be in (degree/2, degree] = ({k / 2}, {k}], got {t}")
+        s = self.survivors_needed(self.min_cohort or self.cohort_size)
+        if not t <= s <= (self.min_cohort or self.cohort_size):
+            raise ValueError(f"min_survivors must be in [threshold={t}, min cohort], got {s}")
+        compress.FixedPoint(scale=self.fixed_point_scale(), bits=self.bits).check_no_wrap(
+            self.value_bound, self.cohort_size)
+
+    def config_degree(self, n: int) -> int:
+        if self.degree is None:
+            return secagg.default_degree(n)
+        return min(n - 1, self.degree + self.degree % 2)
+
+    def config_threshold(self, degree: int) -> int:
+        return secagg.default_threshold(degree) if self.threshold is None else self.threshold
+
+    def survivors_needed(self, n: int) -> int:
+        if self.min_survivors is not None:
+            return self.min_survivors
+        return self.config_threshold(self.config_degree(n))
+
+    def fixed_point_scale(self) -> float:
+        if self.scale is not None:
+            return self.scale
+        # two bits of margin below the exact bound, so that no float rounding of
+        # value_bound * scale can push the sum across the sign bit
+        cohort_bits = (self.cohort_size - 1).bit_length()
+        return min(2.0 ** (self.bits - 3 - cohort_bits), 2.0**52) / self.value_bound
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundOutcome:
+    """How one round ended.
+
+    Attributes:
+        round_id: the round; completed: True if a new model was published.
+        survivors: the devices whose inputs are in the sum (empty when failed).
+        detail: why it failed ("" when completed).
+        total: the unmasked integer sum mod 2^bits (None when failed).
+        model_version: the model version after the round.
+    """
+
+    round_id: int
+    completed: bool
+    survivors: tuple[str, ...]
+    detail: str
+    total: np.ndarray | None
+    model_version: int
+
+
+@dataclass(slots=True)
+class _Round:
+    plan: RoundPlan
+    server: SecAggServer
+    stage: ServerStage
+    deadline: float
+    expected: set[str]
+    declined: set[str]
+    log: list[tuple[str, bytes]]
+    outbox: list[Publish]
+    reassembler: wire.Reassembler
+
+
+_CLOSES = {
+    ServerStage.COLLECT_KEYS: "close_advertise",
+    ServerStage.COLLECT_SHARES: "close_share_keys",
+    ServerStage.COLLECT_MASKED: "close_masked_input",
+}
+
+
+def _tree_leaves(tree: Any) -> list[np.ndarray]:
+    if isinstance(tree, np.ndarray):
+        return [tree]
+    if isinstance(tree, tuple | list):
+        return [leaf for item in tree for leaf in _tree_leaves(item)]
+    raise ValueError(f"optimizer state leaves must be arrays, got {type(tree).__name__}")
+
+
+def _tree_rebuild(template: Any, leaves: list[np.ndarray]) -> Any:
+    if isinstance(template, np.ndarray):
+        leaf = leaves.pop(0)
+        if leaf.shape != template.shape:
+            raise SnapshotError(f"optimizer state leaf of shape {leaf.shape}, the model "
+                                f"needs {template.shape}")
+        return leaf
+    items = [_tree_rebuild(t, leaves) for t in template]
+    if hasattr(template, "_fields"):  # NamedTuple
+        return type(template)(*items)
+    return type(template)(items)
+
+
+def _parse_topic(topic: str, fleet: str) -> tuple[str, str, str] | None:
+    """("up", device, kind) of an uplink topic, ("status", device, "") of a status topic."""
+    parts = topic.split("/")
+    if len(parts) == 6 and parts[:3] == ["fedge", fleet, "dev"] and parts[4] == "up":
+        return "up", parts[3], parts[5]
+    if len(parts) == 4 and parts[:3] == ["fedge", fleet, "status"]:
+        return "status", parts[3], ""
+    return None
+
+
+class RoundMachine:
+    """The aggregator's rounds for one fleet (see the module docstring).
+
+    Args:
+        policy: how rounds run.
+        identity: the aggregator's signing key.
+        registry: the enrolled devices (and the aggregator's public key).
+        params: the initial global model (model version 0), graph order.
+        random_bytes: source of the rounds' secret seeds and nonces (``os.urandom``; a
+            seeded source in tests).
+        checkpoint: called with :meth:`snapshot` after every stage transition, before the
+            transition's messages are returned (``aggregator.store.CheckpointStore.save``).
+    """
+
+    def __init__(
+        self,
+        *,
+        policy: RoundPolicy,
+        identity: AggregatorIdentity,
+        registry: Registry,
+        params: Sequence[np.ndarray],
+        random_bytes: Callable[[int], bytes] = os.urandom,
+        checkpoint: Callable[[bytes], None] | None = None,
+    ) -> None:
+        if registry.aggregator_key != identity.public_key:
+            raise ValueError("the registry's aggregator key is not this identity's")
+        self.policy = policy
+        self._idn = identity
+        self._reg = registry
+        self._random = random_bytes
+        self._checkpoint = checkpoint
+        self._opt = OPTIMIZERS[policy.server_opt](server_lr=policy.server_lr)
+        self._params = [np.array(p, dtype=np.float32) for p in params]
+        if not all(np.isfinite(p).all() for p in self._params):
+            raise ValueError("initial params must be finite")
+        self._opt_state = self._opt.init(self._params)
+        self._version = 0
+        self._last_round = 0
+        self._available: dict[str, CheckIn] = {}
+        self._startable_since: float | None = None
+        self._round: _Round | None = None
+        self._history: list[RoundOutcome] = []
+        self._model_round = 0
+        self._model_msg = self._sign_model(0)
+        self._restored = False
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def model_version(self) -> int:
+        return self._version
+
+    @property
+    def params(self) -> list[np.ndarray]:
+        return [p.copy() for p in self._params]
+
+    @property
+    def history(self) -> tuple[RoundOutcome, ...]:
+        return tuple(self._history)
+
+    @property
+    def stage(self) -> str:
+        """``"idle"`` or the current round's ``ServerStage`` value."""
+        return "idle" if self._round is None else self._round.stage.value
+
+    @property
+    def current_plan(self) -> RoundPlan | None:
+        return None if self._round is None else self._round.plan
+
+    @property
+    def dimension(self) -> int:
+        return sum(p.size for p in self._params)
+
+    # ------------------------------------------------------------------ endpoint
+
+    def subscriptions(self) -> list[str]:
+        """MQTT topic filters: every device's uplink and status."""
+        root = wire.fleet_topic(self.policy.fleet)
+        return [f"{root}/dev/+/up/+", f"{root}/status/+"]
+
+    def on_connect(self, now: float) -> list[Publish]:
+        """(Re)connected: the retained model, and the open stage's messages again (after a
+        restart devices may have missed them; devices ignore exact duplicates)."""
+        out = [self._model_publish()]
+        if self._round is not None:
+            if self._restored:  # the old process's clock means nothing here
+                self._round.deadline = now + self.policy.stage_timeout
+            out += self._round.outbox
+        self._restored = False
+        return out + self._maybe_start(now)
+
+    def on_tick(self, now: float) -> list[Publish]:
+        """Deadlines and round starts."""
+        r = self._round
+        if r is not None and now >= r.deadline and not self._restored:
+            return self._close_stage(now, why="deadline")
+        return self._maybe_start(now)
+
+    def on_message(self, topic: str, payload: bytes, now: float) -> list[Publish]:
+        """One inbound message. Never raises: a bad message is logged and changes nothing."""
+        try:
+            return self._handle(topic, payload, now)
+        except ReplayedMessage as e:  # QoS 1 redelivery: expected, harmless
+            logger.debug("duplicate ignored: %s", e,
+                         extra={"fedge": {"event": "duplicate", "topic": topic}})
+        except RemoteProtocolError as e:
+            self._reject(topic, str(e))
+        return []
+
+    # ------------------------------------------------------------------ inbound
+
+    def _reject(self, topic: str, reason: str) -> None:
+        logger.warning("rejected message on %s: %s", topic, reason, extra={"fedge": {
+            "event": "rejected", "topic": topic, "reason": reason,
+            "round": self._round.plan.round_id if self._round else None, "stage": self.stage}})
+
+    def _handle(self, topic: str, payload: bytes, now: float) -> list[Publish]:
+        parsed = _parse_topic(topic, self.policy.fleet)
+        if parsed is None:
+            raise RemoteProtocolError(f"not a topic of fleet {self.policy.fleet!r}")
+        where, device, kind = parsed
+        if device not in self._reg.devices:
+            raise RemoteProtocolError(f"message from outsider {device!r}")
+        if where == "status":
+            if bytes(payload) == b"offline" and device in self._available:
+                del self._available[device]
+            return []
+        msg = wire.decode(payload)
+        if msg.KIND != kind:
+            raise RemoteProtocolError(f"a {msg.KIND} message on the {kind!r} topic")
+        if not isinstance(msg, CheckIn | Decline | SecAggPacket | UploadChunk):
+            raise RemoteProtocolError(f"the aggregator does not accept {msg.KIND} messages")
+        if msg.device != device:
+            raise RemoteProtocolError(f"{msg.KIND} names device {msg.device!r} "
+                                      f"but came on {device!r}'s topic")
+        if isinstance(msg, CheckIn):
+            wire.verify(msg, self._reg, device)
+            self._available[device] = msg
+            return self._maybe_start(now)
+        r = self._round
+        if r is None or msg.round_id != r.plan.round_id:  # type: ignore[union-attr]
+            raise RemoteProtocolError(
+                f"{msg.KIND} for round {msg.round_id}, the open round is "  # type: ignore[union-attr]
+                f"{None if r is None else r.plan.round_id}")
+        if device not in r.plan.cohort:
+            raise RemoteProtocolError(f"{msg.KIND} from {device!r}, not in round "
+                                      f"{r.plan.round_id}'s cohort")
+        if isinstance(msg, Decline):
+            wire.verify(msg, self._reg, device)
+            if device in r.declined:
+                raise ReplayedMessage(f"decline from {device!r} already recorded")
+            r.declined.add(device)
+            logger.info("%s declined round %d: %s", device, r.plan.round_id, msg.reason,
+                        extra={"fedge": {"event": "declined", "device": device,
+                                         "round": r.plan.round_id, "reason": msg.reason}})
+            return self._maybe_close(now)
+        if isinstance(msg, SecAggPacket):
+            inner = msg.message()
+            if isinstance(inner, secagg.MaskedInput):
+                raise RemoteProtocolError("masked_input must come in upload chunks")
+            return self._accept(inner, now)
+        return self._chunk(msg, now)
+
+    def _chunk(self, chunk: UploadChunk, now: float) -> list[Publish]:
+        r = self._round
+        assert r is not None
+        if r.stage is not ServerStage.COLLECT_MASKED:
+            raise RemoteProtocolError(f"upload chunk from {chunk.device!r} in stage "
+                                      f"{r.stage.value}")
+        if chunk.device not in r.expected:
+            raise RemoteProtocolError(f"upload chunk from {chunk.device!r}, which is not "
+                                      f"expected to upload")
+        limit = (r.plan.length * r.plan.bits + 7) // 8 + 1024  # the masked vector + framing
+        if chunk.size > limit:
+            raise RemoteProtocolError(f"upload of {chunk.size} bytes from {chunk.device!r}; "
+                                      f"a masked input of this round takes at most {limit}")
+        data = r.reassembler.add(chunk)
+        if data is None:
+            return []
+        try:
+            inner = secagg.decode_message(data)
+            if not isinstance(inner, secagg.MaskedInput) or inner.sender != chunk.device:
+                raise RemoteProtocolError(f"the upload of {chunk.device!r} is not its "
+                                          f"masked_input")
+            return self._accept(inner, now)
+        except RemoteProtocolError:
+            # a rejected upload leaves no trace: the state is as before its first chunk
+            r.reassembler.forget(chunk.round_id, chunk.device)
+            raise
+
+    def _accept(self, msg: secagg.Message, now: float) -> list[Publish]:
+        r = self._round
+        assert r is not None
+        if msg.round_id != r.plan.round_id:
+            raise RemoteProtocolError(f"{msg.KIND} for round {msg.round_id}")
+        r.server.receive(msg)  # raises before any change
+        r.log.append(("recv", secagg.encode_message(msg)))
+        return self._maybe_close(now)
+
+    # ------------------------------------------------------------------ stages
+
+    def _pending(self, r: _Round) -> set[str]:
+        if r.stage is ServerStage.COLLECT_KEYS:
+            got = set(r.server._adverts)  # noqa: SLF001 (same package, read-only)
+        elif r.stage is ServerStage.COLLECT_SHARES:
+            got = set(r.server._sharekeys)  # noqa: SLF001
+        elif r.stage is ServerStage.COLLECT_MASKED:
+            got = set(r.server.survivors)
+        else:
+            got = set(r.server._responses)  # noqa: SLF001
+        return r.expected - r.declined - got
+
+    def _maybe_close(self, now: float) -> list[Publish]:
+        r = self._round
+        if r is None or self._pending(r):
+            return []
+        return self._close_stage(now, why="all answered")
+
+    def _close_stage(self, now: float, why: str) -> list[Publish]:
+        r = self._round
+        assert r is not None
+        have = len(r.expected - r.declined - self._pending(r))
+        need = r.plan.min_survivors
+        # recovery needs t answers per neighbourhood, not min_survivors: finalize() judges
+        if r.stage is not ServerStage.COLLECT_UNMASK and have < need:
+            return self._fail(now, f"{r.stage.value}: {have} devices answered by the {why}, "
+                                   f"below min_survivors {need}")
+        if r.stage is ServerStage.COLLECT_UNMASK:
+            return self._finish(now)
+        try:
+            out = getattr(r.server, _CLOSES[r.stage])()
+        except RoundFailed as e:
+            return self._fail(now, str(e))
+        r.log.append(("close", r.stage.value.encode()))
+        r.stage = r.server.stage
+        r.expected = set(out)
+        r.deadline = now + self.policy.stage_timeout
+        fleet = self.policy.fleet
+        r.outbox = [Publish(wire.device_down_topic(fleet, dev, "secagg"),
+                            wire.encode(SecAggPacket.wrap(m))) for dev, m in sorted(out.items())]
+        logger.info("round %d: %s closed (%s), %d devices go on", r.plan.round_id,
+                    why, r.stage.value, len(out), extra={"fedge": {
+                        "event": "stage", "round": r.plan.round_id, "stage": r.stage.value,
+                        "devices": len(out)}})
+        self._save()
+        return list(r.outbox)
+
+    def _finish(self, now: float) -> list[Publish]:
+        r = self._round
+        assert r is not None
+        try:
+            total = r.server.finalize()
+        except RoundFailed as e:
+            return self._fail(now, str(e))
+        survivors = r.server.survivors
+        plan = r.plan
+        fp = compress.FixedPoint(scale=plan.scale, bits=plan.bits)
+        mean = fp.decode(total, len(survivors)) / len(survivors)
+        d = self.dimension
+        dense = np.zeros(d, dtype=np.float64)
+        if plan.sparsity < 1.0:
+            dense[compress.coordinate_set(plan.round_seed, d, plan.length)] = mean
+        else:
+            dense[:] = mean
+        delta, start = [], 0
+        for p in self._params:
+            delta.append(dense[start : start + p.size].reshape(p.shape).astype(np.float32))
+            start += p.size
+        params, state = self._opt.update(delta, self._opt_state, self._params)
+        self._params = [np.asarray(p, dtype=np.float32) for p in params]
+        self._opt_state = state
+        self._version += 1
+        self._model_round = plan.round_id
+        self._model_msg = self._sign_model(plan.round_id)
+        self._record(RoundOutcome(round_id=plan.round_id, completed=True, survivors=survivors,
+                                  detail="", total=total, model_version=self._version))
+        logger.info("round %d done: %d survivors, model version %d", plan.round_id,
+                    len(survivors), self._version, extra={"fedge": {
+                        "event": "round_done", "round": plan.round_id,
+                        "survivors": len(survivors), "version": self._version}})
+        self._round = None
+        self._startable_since = None
+        self._save()
+        return [self._model_publish()]
+
+    def _fail(self, now: float, reason: str) -> list[Publish]:
+        r = self._round
+        assert r is not None
+        plan = r.plan
+        self._record(RoundOutcome(round_id=plan.round_id, completed=False, survivors=(),
+                                  detail=reason, total=None, model_version=self._version))
+        logger.warning("round %d failed: %s", plan.round_id, reason, extra={"fedge": {
+            "event": "round_failed", "round": plan.round_id, "reason": reason}})
+        self._round = None
+        self._startable_since = None
+        out = [
+            Publish(wire.device_down_topic(self.policy.fleet, dev, "error"),
+                    wire.encode(wire.sign(ErrorNotice(round_id=plan.round_id, device=dev,
+                                                      code="round_failed",
+                                                      detail=reason[:256]), self._idn)))
+            for dev in plan.cohort if dev not in r.declined
+        ]
+        self._save()
+        return out
+
+    def _record(self, outcome: RoundOutcome) -> None:
+        self._history = [*self._history, outcome][-_HISTORY:]
+
+    # ------------------------------------------------------------------ starting
+
+    def _eligible(self) -> list[str]:
+        return sorted(d for d, c in self._available.items()
+                      if c.model_version == self._version and c.remaining_epsilon > 0)
+
+    def _maybe_start(self, now: float) -> list[Publish]:
+        pol = self.policy
+        if self._round is not None or self._restored:
+            return []
+        if pol.max_rounds is not None and self._last_round >= pol.max_rounds:
+            return []
+        eligible = self._eligible()
+        full, least = pol.cohort_size, pol.min_cohort or pol.cohort_size
+        if len(eligible) < least:
+            self._startable_since = None
+            return []
+        if self._startable_since is None:
+            self._startable_since = now
+        if len(eligible) < full and now < self._startable_since + pol.checkin_window:
+            return []
+        return self._start(now, eligible)
+
+    def _start(self, now: float, eligible: list[str]) -> list[Publish]:
+        pol = self.policy
+        round_id = self._last_round + 1
+        rng = np.random.default_rng([pol.seed, round_id])
+        n = min(pol.cohort_size, len(eligible))
+        cohort = tuple(sorted(eligible[i] for i in rng.choice(len(eligible), n, replace=False)))
+        d = self.dimension
+        k = d if pol.sparsity == 1.0 else compress.kept_count(d, pol.sparsity)
+        degree = pol.config_degree(n)
+        plan = wire.sign(RoundPlan(
+            round_id=round_id, model_version=self._version, cohort=cohort, steps=pol.steps,
+            batch_size=pol.batch_size, lr=float(pol.lr), sampling=pol.sampling,
+            clip=float(pol.clip), noise_multiplier=float(pol.noise_multiplier),
+            sparsity=float(pol.sparsity), round_seed=self._random(32),
+            quant_levels=pol.quant_levels, scale=float(pol.fixed_point_scale()),
+            value_bound=float(pol.value_bound), bits=pol.bits, length=k,
+            nonce=self._random(32), degree=degree, threshold=pol.config_threshold(degree),
+            min_survivors=pol.survivors_needed(n), stage_timeout=float(pol.stage_timeout),
+        ), self._idn)
+        server = SecAggServer(identity=self._idn, registry=self._reg, config=plan.round_config())
+        payload = wire.encode(plan)
+        outbox = [Publish(wire.device_down_topic(pol.fleet, dev, "plan"), payload)
+                  for dev in cohort]
+        self._round = _Round(plan=plan, server=server, stage=server.stage,
+                             deadline=now + pol.stage_timeout, expected=set(cohort),
+                             declined=set(), log=[], outbox=outbox,
+                             reassembler=wire.Reassembler(max_pending=n))
+        self._last_round = round_id
+        for dev in cohort:  # they check in again when the round is over
+            self._available.pop(dev, None)
+        logger.info("round %d started: %d devices, model version %d", round_id, n,
+                    self._version, extra={"fedge": {"event": "round_started",
+                                                    "round": round_id, "cohort": list(cohort)}})
+        self._save()
+        return list(outbox)
+
+    # ------------------------------------------------------------------ model
+
+    def _sign_model(self, round_id: int) -> bytes:
+        return wire.encode(wire.sign(ModelUpdate.of(version=self._version, round_id=round_id,
+                                                    params=self._params), self._idn))
+
+    def _model_publish(self) -> Publish:
+        return Publish(wire.model_topic(self.policy.fleet), self._model_msg, retain=True)
+
+    # ------------------------------------------------------------------ snapshots
+
+    def _save(self) -> None:
+        if self._checkpoint is not None:
+            self._checkpoint(self.snapshot())
+
+    def snapshot(self) -> bytes:
+        """The complete state as deterministic msgpack bytes (restore with :meth:`restore`)."""
+        r = self._round
+        state: dict[str, Any] = {
+            "format": SNAPSHOT_FORMAT,
+            "v": SNAPSHOT_VERSION,
+            "policy": dataclasses.asdict(self.policy),
+            "aggregator_key": self._idn.public_key,
+            "version": self._version,
+            "model_round": self._model_round,
+            "last_round": self._last_round,
+            "params": [WireArray.of(p).to_wire() for p in self._params],
+            "opt_state": [WireArray.of(a).to_wire() for a in _tree_leaves(self._opt_state)],
+            "available": [wire.encode(c) for _, c in sorted(self._available.items())],
+            "startable_since": self._startable_since,
+            "history": [
+                [o.round_id, o.completed, list(o.survivors), o.detail,
+                 None if o.total is None else WireArray.of(o.total).to_wire(), o.model_version]
+                for o in self._history
+            ],
+            "round": None if r is None else {
+                "plan": wire.encode(r.plan),
+                "stage": r.stage.value,
+                "deadline": r.deadline,
+                "expected": sorted(r.expected),
+                "declined": sorted(r.declined),
+                "log": [[op, data] for op, data in r.log],
+                "outbox": [[p.topic, p.payload, p.retain] for p in r.outbox],
+                "reassembler": r.reassembler.to_state(),
+            },
+        }
+        return msgpack.packb(state, use_bin_type=True)
+
+    @classmethod
+    def restore(
+        cls,
+        data: bytes,
+        *,
+        policy: RoundPolicy,
+        identity: AggregatorIdentity,
+        registry: Registry,
+        random_bytes: Callable[[int], bytes] = os.urandom,
+        checkpoint: Callable[[bytes], None] | None = None,
+    ) -> RoundMachine:
+        """A machine in exactly the state :meth:`snapshot` captured.
+
+        Call :meth:`on_connect` first: it re-sends the open stage's messages and restarts
+        the stage's deadline on this process's clock.
+
+        Raises:
+            SnapshotError: malformed, or taken under another policy or aggregator key.
+        """
+        try:
+            s = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+            return cls._restore(s, policy, identity, registry, random_bytes, checkpoint)
+        except SnapshotError:
+            raise
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError,
+                msgpack.UnpackException, secagg.SecAggError) as e:
+            raise SnapshotError(f"cannot restore the snapshot: {type(e).__name__}: {e}") from None
+
+    @classmethod
+    def _restore(cls, s: Mapping[str, Any], policy: RoundPolicy, identity: AggregatorIdentity,
+                 registry: Registry, random_bytes: Callable[[int], bytes],
+                 checkpoint: Callable[[bytes], None] | None) -> RoundMachine:
+        if s.get("format") != SNAPSHOT_FORMAT or s.get("v") != SNAPSHOT_VERSION:
+            raise SnapshotError(f"not a {SNAPSHOT_FORMAT} v{SNAPSHOT_VERSION} snapshot")
+        if s["policy"] != dataclasses.asdict(policy):
+            raise SnapshotError("the snapshot was taken under another policy")
+        if s["aggregator_key"] != identity.public_key:
+            raise SnapshotError("the snapshot was taken by another aggregator identity")
+        lim = wire.LIMITS
+        params = [WireArray.from_wire("snapshot", a, lim).to_numpy() for a in s["params"]]
+        m = cls(policy=policy, identity=identity, registry=registry, params=params,
+                random_bytes=random_bytes, checkpoint=checkpoint)
+        leaves = [WireArray.from_wire("snapshot", a, lim).to_numpy() for a in s["opt_state"]]
+        m._opt_state = _tree_rebuild(m._opt.init(m._params), leaves)
+        if leaves:
+            raise SnapshotError("optimizer state has more leaves than the optimizer")
+        m._version = s["version"]
+        m._last_round = s["last_round"]
+        m._available = {}
+        for raw in s["available"]:
+            c = wire.decode(raw)
+            assert isinstance(c, CheckIn)
+            m._available[c.device] = c
+        m._startable_since = s["startable_since"]
+        m._history = [
+            RoundOutcome(round_id=h[0], completed=h[1], survivors=tuple(h[2]), detail=h[3],
+                         total=None if h[4] is None else
+                         WireArray.from_wire("snapshot", h[4], lim).to_numpy(),
+                         model_version=h[5])
+            for h in s["history"]
+        ]
+        m._model_round = s["model_round"]
+        m._model_msg = m._sign_model(m._model_round)
+        rs = s["round"]
+        if rs is not None:
+            plan = wire.decode(rs["plan"])
+            assert isinstance(plan, RoundPlan)
+            server = SecAggServer(identity=identity, registry=registry,
+                                  config=plan.round_config())
+            log = [(op, bytes(b)) for op, b in rs["log"]]
+            for op, b in log:  # replay: deterministic, so the same state bit for bit
+                if op == "recv":
+                    server.receive(secagg.decode_message(b))
+                else:
+                    getattr(server, _CLOSES[ServerStage(b.decode())])()
+            if server.stage.value != rs["stage"]:
+                raise SnapshotError(f"replaying the round's log ends in {server.stage.value}, "
+                                    f"the snapshot says {rs['stage']}")
+            reassembler = wire.Reassembler(max_pending=len(plan.cohort))
+            reassembler.load_state(rs["reassembler"])
+            m._round = _Round(
+                plan=plan, server=server, stage=server.stage, deadline=rs["deadline"],
+                expected=set(rs["expected"]), declined=set(rs["declined"]), log=log,
+                outbox=[Publish(t, bytes(p), bool(k)) for t, p, k in rs["outbox"]],
+                reassembler=reassembler)
+        m._restored = True
+        return m

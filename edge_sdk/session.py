@@ -1,0 +1,398 @@
+"""The device's side of a round, sans-I/O: messages and a clock in, publishes out.
+
+A :class:`DeviceSession` is what ``edge_sdk.device`` (the MQTT adapter) drives::
+
+    s = DeviceSession(fleet=..., identity=..., registry=..., ledger=..., engine=...,
+                      spec=..., data=load_local_data, seed=device_seed)
+    adapter.subscribe(s.subscriptions())
+    send(s.on_connect(now))                     # check-in
+    send(s.on_message(topic, payload, now))     # plan, secagg, model, error
+    send(s.on_tick(now))                        # gives up on a round gone silent
+
+One round (DESIGN, "One round, as data flows"), for a device in the plan's cohort:
+
+1. plan: refuse a round the ledger already holds a reservation for (the device took part
+   before a restart: it must neither train nor upload again), a plan for another model
+   version, or one the budget cannot pay for (``Ledger.would_exceed``): each gets a
+   :class:`~edge_sdk.wire.Decline`. Otherwise train (``edge_sdk.train.local_round`` with
+   the round's rand-k set), quantize (QSGD, optional), clamp to the plan's value bound,
+   encode in fixed point mod 2^bits, and advertise secure-aggregation keys.
+2. neighbour keys -> share keys; forwarded shares -> mask the input, **reserve the spend
+   in the ledger** (durable), and only then return the upload (chunked) for sending.
+3. unmask request -> answer it and commit the reservation (the request proves the
+   aggregator holds the upload). The published model ends the round; the device adopts
+   it and checks in again.
+
+All randomness of a round (batches, DP noise, quantization, rounding) comes from
+``numpy.random.default_rng([seed, round_id])``, so a run is reproducible; key material
+comes from the injected ``random_bytes`` (``os.urandom``). An exact duplicate of an
+aggregator message already answered gets the same answer again (QoS 1 redelivery, or an
+aggregator restarted from its checkpoint); anything else invalid is logged (logger
+``edge_sdk.session``) and ignored without a state change, never raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edge_sdk import compress, secagg, wire
+from edge_sdk.engine import Engine
+from edge_sdk.ledger import BudgetExhausted, Ledger, LedgerError, Plan, Reservation
+from edge_sdk.model import ModelSpec, flatten_params
+from edge_sdk.secagg import DeviceIdentity, Registry, RemoteProtocolError, SecAggClient
+from edge_sdk.train import LocalTraining, TrainingDiverged, local_round, round_event
+from edge_sdk.wire import (
+    CheckIn,
+    Decline,
+    ErrorNotice,
+    ModelUpdate,
+    Publish,
+    RoundPlan,
+    SecAggPacket,
+)
+
+__all__ = ["DataSource", "DeviceSession"]
+
+logger = logging.getLogger("edge_sdk.session")
+
+DataSource = Callable[[], tuple[np.ndarray, np.ndarray]]
+"""Returns the device's local training set (x, y) as numpy arrays."""
+
+_GIVE_UP_STAGES = 6  # a round silent for this many stage timeouts is over for the device
+_KEPT_INPUTS = 8
+
+
+@dataclass(slots=True)
+class _Round:
+    plan: RoundPlan
+    client: SecAggClient
+    residues: np.ndarray
+    ledger_plan: Plan
+    last_heard: float
+    reservation: Reservation | None = None
+    answers: dict[bytes, list[Publish]] = field(default_factory=dict)
+
+
+class DeviceSession:
+    """One device's rounds (see the module docstring).
+
+    Args:
+        fleet: the fleet name.
+        identity: the device's long-term keys (its name is ``identity.device``).
+        registry: enrolled devices and the aggregator's public key.
+        ledger: the device's open privacy ledger (it outlives the session: a restarted
+            session opens the same file).
+        engine: per-sample gradients of the model (``edge_sdk.engine.load_engine``).
+        spec: the model's architecture (parameter shapes are checked against it).
+        data: returns the local training set (x, y).
+        seed: the device's seed; round r's randomness is ``default_rng([seed, r])``.
+        random_bytes: key material for secure aggregation.
+        max_packet: largest MQTT payload to send (uploads are chunked below it).
+    """
+
+    def __init__(
+        self,
+        *,
+        fleet: str,
+        identity: DeviceIdentity,
+        registry: Registry,
+        ledger: Ledger,
+        engine: Engine,
+        spec: ModelSpec,
+        data: DataSource,
+        seed: int,
+        random_bytes: Callable[[int], bytes] = os.urandom,
+        max_packet: int = wire.DEFAULT_MAX_PACKET,
+    ) -> None:
+        self.fleet = wire.check_name("fleet", fleet)
+        self.device = wire.check_name("device", identity.device)
+        if registry.devices.get(self.device) != identity.enrollment():
+            raise ValueError(f"device {self.device!r} is not enrolled with these keys")
+        self._idn = identity
+        self._reg = registry
+        self._ledger = ledger
+        self._engine = engine
+        self._spec = spec
+        self._shapes = [s for _, s in spec.param_shapes()]
+        self._data = data
+        self._seed = seed
+        self._random = random_bytes
+        self._max_packet = max_packet
+        self._params: list[np.ndarray] | None = None
+        self._version = -1
+        self._round: _Round | None = None
+        self._inputs: dict[int, np.ndarray] = {}
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def model_version(self) -> int:
+        """The adopted global model's version (-1: none yet)."""
+        return self._version
+
+    @property
+    def params(self) -> list[np.ndarray] | None:
+        return None if self._params is None else [p.copy() for p in self._params]
+
+    @property
+    def round_id(self) -> int | None:
+        """The round the device is taking part in, if any."""
+        return None if self._round is None else self._round.plan.round_id
+
+    def encoded_input(self, round_id: int) -> np.ndarray | None:
+        """The residues this device fed into round ``round_id``'s secure sum (before
+        masking; kept on the device for the last few rounds, for audits and tests)."""
+        x = self._inputs.get(round_id)
+        return None if x is None else x.copy()
+
+    # ------------------------------------------------------------------ endpoint
+
+    def subscriptions(self) -> list[str]:
+        """MQTT topic filters: this device's downlink and the global model."""
+        down = wire.device_down_topic(self.fleet, self.device, "x")[:-1]
+        return [down + "+", wire.model_topic(self.fleet)]
+
+    def on_connect(self, now: float) -> list[Publish]:
+        """(Re)connected: check in."""
+        return [self._checkin()]
+
+    def on_tick(self, now: float) -> list[Publish]:
+        """Give up on a round that has gone silent (the aggregator dropped this device)."""
+        r = self._round
+        if r is not None and now - r.last_heard > _GIVE_UP_STAGES * r.plan.stage_timeout:
+            self._end_round("silent")
+            return [self._checkin()]
+        return []
+
+    def on_message(self, topic: str, payload: bytes, now: float) -> list[Publish]:
+        """One inbound message. Never raises: a bad one is logged and changes nothing."""
+        try:
+            return self._handle(topic, payload, now)
+        except RemoteProtocolError as e:
+            logger.warning("%s rejected message on %s: %s", self.device, topic, e, extra={
+                "fedge": {"event": "rejected", "device": self.device, "topic": topic,
+                          "reason": str(e), "round": self.round_id}})
+            return []
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _handle(self, topic: str, payload: bytes, now: float) -> list[Publish]:
+        if topic == wire.model_topic(self.fleet):
+            msg = wire.decode(payload)
+            if not isinstance(msg, ModelUpdate):
+                raise RemoteProtocolError(f"a {msg.KIND} message on the model topic")
+            return self._on_model(msg)
+        prefix = wire.device_down_topic(self.fleet, self.device, "x")[:-1]
+        if not topic.startswith(prefix):
+            raise RemoteProtocolError("not a topic of this device")
+        kind = topic[len(prefix):]
+        msg = wire.decode(payload)
+        if msg.KIND != kind:
+            raise RemoteProtocolError(f"a {msg.KIND} message on the {kind!r} topic")
+        if not isinstance(msg, RoundPlan) and msg.device != self.device:  # type: ignore[union-attr]
+            raise RemoteProtocolError(f"{msg.KIND} is addressed to another device")
+        if isinstance(msg, RoundPlan):
+            return self._on_plan(msg, bytes(payload), now)
+        if isinstance(msg, SecAggPacket):
+            return self._on_secagg(msg, bytes(payload), now)
+        if isinstance(msg, ErrorNotice):
+            wire.verify(msg, self._reg, None)
+            r = self._round
+            if r is None or msg.round_id != r.plan.round_id:
+                raise RemoteProtocolError(f"error notice for round {msg.round_id}, "
+                                          f"not this device's open round")
+            logger.info("%s: round %d ended: %s", self.device, msg.round_id, msg.code)
+            self._end_round(msg.code)
+            return [self._checkin()]
+        raise RemoteProtocolError(f"a device does not accept {msg.KIND} messages")
+
+    # ------------------------------------------------------------------ model
+
+    def _on_model(self, msg: ModelUpdate) -> list[Publish]:
+        wire.verify(msg, self._reg, None)
+        if msg.version == self._version and self._params is not None and all(
+            np.array_equal(a, b) for a, b in zip(msg.params(), self._params, strict=True)
+        ):
+            return []  # the retained model again (a reconnect, a redelivery)
+        if msg.version <= self._version:
+            raise RemoteProtocolError(f"model version {msg.version} is not newer than "
+                                      f"{self._version}")
+        shapes = [a.shape for a in msg.arrays]
+        if shapes != self._shapes or any(a.dtype != "<f4" for a in msg.arrays):
+            raise RemoteProtocolError(f"model arrays {shapes} do not fit this device's model "
+                                      f"{self._shapes} (float32)")
+        self._params = msg.params()
+        self._version = msg.version
+        r = self._round
+        if r is not None and msg.version > r.plan.model_version:
+            self._end_round("new model")  # the round is over, with or without this device
+        return [] if self._round is not None else [self._checkin()]
+
+    # ------------------------------------------------------------------ plan
+
+    def _ledger_round(self, round_id: int) -> str:
+        return f"{self.fleet}/{round_id}"
+
+    def _decline(self, plan: RoundPlan, reason: str, detail: str) -> list[Publish]:
+        logger.info("%s declines round %d: %s (%s)", self.device, plan.round_id, reason,
+                    detail, extra={"fedge": {"event": "decline", "device": self.device,
+                                             "round": plan.round_id, "reason": reason}})
+        msg = wire.sign(Decline(round_id=plan.round_id, device=self.device, reason=reason,
+                                detail=detail[:256]), self._idn)
+        return [Publish(wire.device_up_topic(self.fleet, self.device, "decline"),
+                        wire.encode(msg))]
+
+    def _on_plan(self, plan: RoundPlan, raw: bytes, now: float) -> list[Publish]:
+        wire.verify(plan, self._reg, None)
+        if self.device not in plan.cohort:
+            raise RemoteProtocolError(f"round {plan.round_id}'s plan does not select "
+                                      f"{self.device!r}")
+        r = self._round
+        if r is not None:
+            if raw in r.answers:  # a redelivered plan: answer as before
+                r.last_heard = now
+                return list(r.answers[raw])
+            if plan.round_id <= r.plan.round_id:
+                raise RemoteProtocolError(f"plan for round {plan.round_id} while in round "
+                                          f"{r.plan.round_id}")
+            self._end_round("superseded")
+        key = self._ledger_round(plan.round_id)
+        try:
+            taken = any(res.plan.round_id == key for res in self._ledger.reservations())
+        except LedgerError as e:  # a broken ledger: never train
+            return self._decline(plan, "ledger", str(e))
+        if taken:
+            # a reservation means the upload may have left before a restart: never twice
+            return self._decline(plan, "already_committed",
+                                 f"the ledger holds a reservation for {key}")
+        if self._params is None or plan.model_version != self._version:
+            return self._decline(plan, "stale_model", f"holds model {self._version}, the "
+                                                      f"plan trains {plan.model_version}")
+        d = sum(math.prod(s) for s in self._shapes)
+        k = d if plan.sparsity == 1.0 else compress.kept_count(d, plan.sparsity)
+        if plan.length != k:
+            raise RemoteProtocolError(f"plan length {plan.length}, but rand-k at p = "
+                                      f"{plan.sparsity} of {d} parameters keeps {k}")
+        try:
+            local = LocalTraining(steps=plan.steps, batch_size=plan.batch_size, lr=plan.lr,
+                                  clip=plan.clip, noise_multiplier=plan.noise_multiplier,
+                                  sampling=plan.sampling,  # type: ignore[arg-type]
+                                  sparsity=plan.sparsity)
+            compress.FixedPoint(scale=plan.scale, bits=plan.bits).check_no_wrap(
+                plan.value_bound, len(plan.cohort))
+        except ValueError as e:
+            raise RemoteProtocolError(f"round {plan.round_id}'s plan: {e}") from None
+        x, y = self._data()
+        if len(y) == 0:
+            return self._decline(plan, "no_data", "the local data set is empty")
+        ledger_plan = Plan(round_id=key, model_id=str(plan.model_version),
+                           event=round_event(len(y), local, k / d),
+                           cohort_size=plan.min_survivors, secagg_threshold=plan.threshold)
+        try:
+            if self._ledger.would_exceed(ledger_plan):
+                return self._decline(plan, "budget", f"epsilon would reach "
+                                     f"{self._ledger.epsilon_if(ledger_plan):.4g} > "
+                                     f"{self._ledger.budget.epsilon:g}")
+        except (LedgerError, ValueError) as e:
+            return self._decline(plan, "ledger", str(e))
+        rng = np.random.default_rng([self._seed, plan.round_id])
+        coords = (None if plan.sparsity == 1.0
+                  else compress.coordinate_set(plan.round_seed, d, plan.length))
+        try:
+            res = local_round(self._engine, self._params, x, y, local, rng, coords=coords)
+        except TrainingDiverged as e:
+            return self._decline(plan, "diverged", str(e))
+        flat = flatten_params(res.update).astype(np.float64)
+        values = flat if coords is None else flat[coords]
+        if plan.quant_levels:
+            values = compress.dequantize(compress.quantize(values, plan.quant_levels, rng))
+        values = np.clip(values, -plan.value_bound, plan.value_bound)
+        residues = compress.FixedPoint(scale=plan.scale, bits=plan.bits).encode(values, rng)
+        client = SecAggClient(identity=self._idn, registry=self._reg,
+                              config=plan.round_config(), random_bytes=self._random)
+        out = self._send_secagg(client.advertise())
+        self._round = _Round(plan=plan, client=client, residues=residues,
+                             ledger_plan=ledger_plan, last_heard=now, answers={raw: out})
+        return list(out)
+
+    # ------------------------------------------------------------------ secagg
+
+    def _send_secagg(self, msg: secagg.Message) -> list[Publish]:
+        return [Publish(wire.device_up_topic(self.fleet, self.device, "secagg"),
+                        wire.encode(SecAggPacket.wrap(msg)))]
+
+    def _on_secagg(self, pkt: SecAggPacket, raw: bytes, now: float) -> list[Publish]:
+        r = self._round
+        if r is None or pkt.round_id != r.plan.round_id:
+            raise RemoteProtocolError(f"secagg message for round {pkt.round_id}, not this "
+                                      f"device's open round")
+        if raw in r.answers:
+            r.last_heard = now
+            return list(r.answers[raw])
+        msg = pkt.message()
+        if isinstance(msg, secagg.NeighbourKeys):
+            out = self._send_secagg(r.client.share_keys(msg))
+        elif isinstance(msg, secagg.ForwardedShares):
+            out = self._upload(r, msg)
+        elif isinstance(msg, secagg.UnmaskRequest):
+            out = self._send_secagg(r.client.unmask(msg))
+            self._commit(r)
+        else:
+            raise RemoteProtocolError(f"a device does not accept {msg.KIND}")
+        r.answers[raw] = out
+        r.last_heard = now
+        return list(out)
+
+    def _upload(self, r: _Round, msg: secagg.ForwardedShares) -> list[Publish]:
+        masked = r.client.mask_input(msg, r.residues)  # nothing has left the device yet
+        try:
+            r.reservation = self._ledger.reserve(r.ledger_plan)  # durable before the upload
+        except (BudgetExhausted, LedgerError) as e:
+            logger.warning("%s: no upload for round %d: %s", self.device, r.plan.round_id, e,
+                           extra={"fedge": {"event": "reserve_failed", "device": self.device,
+                                            "round": r.plan.round_id, "reason": str(e)}})
+            plan = r.plan
+            self._end_round("reserve failed")
+            return self._decline(plan, "budget", str(e))
+        self._inputs[r.plan.round_id] = r.residues.copy()
+        while len(self._inputs) > _KEPT_INPUTS:
+            del self._inputs[min(self._inputs)]
+        data = secagg.encode_message(masked)
+        topic = wire.device_up_topic(self.fleet, self.device, "chunk")
+        return [Publish(topic, wire.encode(c)) for c in wire.split_upload(
+            round_id=r.plan.round_id, device=self.device, data=data, max_packet=self._max_packet)]
+
+    def _commit(self, r: _Round) -> None:
+        if r.reservation is None:
+            return
+        try:
+            self._ledger.commit(r.reservation)
+        except LedgerError as e:  # the spend is counted either way; only the record suffers
+            logger.error("%s: cannot commit round %d: %s", self.device, r.plan.round_id, e)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _end_round(self, why: str) -> None:
+        r = self._round
+        if r is not None:
+            logger.debug("%s leaves round %d: %s", self.device, r.plan.round_id, why)
+        self._round = None
+
+    def _checkin(self) -> Publish:
+        try:
+            remaining = self._ledger.remaining()
+            size = len(self._data()[1])
+        except (LedgerError, ValueError) as e:
+            logger.error("%s: cannot read the ledger for check-in: %s", self.device, e)
+            remaining, size = 0.0, 0
+        msg = wire.sign(CheckIn(device=self.device, data_size=size,
+                                remaining_epsilon=float(remaining),
+                                model_version=self._version), self._idn)
+        return Publish(wire.device_up_topic(self.fleet, self.device, "checkin"),
+                       wire.encode(msg))
