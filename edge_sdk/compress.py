@@ -71,6 +71,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from edge_sdk._validate import check_int as _check_int
+
 __all__ = [
     "HEADER_SIZE",
     "RANDK_INFO",
@@ -103,16 +105,6 @@ _MAX_S = 2**31 - 1
 _MAX_N = 2**32 - 1
 _TWO64 = 2**64
 _HEADER = np.dtype([("norm", "<f4"), ("n", "<u4"), ("s", "<u4")])
-
-
-def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    v = int(value)
-    if v < lo or (hi is not None and v > hi):
-        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {bound}, got {v}")
-    return v
 
 
 def _check_fraction(name: str, p: object) -> float:

@@ -63,6 +63,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from edge_sdk._validate import check_int as _check_int
 from edge_sdk.privacy.discrete import DistributedDiscreteGaussian, DistributedSkellam
 
 __all__ = [
@@ -114,16 +115,6 @@ class ConditionalRoundingFailed(ArithmeticError):
 
 
 # --------------------------------------------------------------------------- validation
-
-
-def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    v = int(value)
-    if v < lo or (hi is not None and v > hi):
-        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {bound}, got {v}")
-    return v
 
 
 def _check_pos(name: str, value: object, *, allow_zero: bool = False) -> float:
