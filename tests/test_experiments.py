@@ -1,0 +1,171 @@
+"""The experiment runner: declared TOML, resumable runs, calibration, the report.
+
+The default suite checks the machinery on a tiny digits fleet; the ``slow`` tests run each
+experiment's ``--quick`` variant end to end (``pytest -m slow tests/test_experiments.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from edge_sdk.privacy import PldAccountant
+from edge_sdk.privacy.events import PoissonSubsampledGaussian
+from tools.cli import main
+from tools.experiments import (
+    calibrate,
+    expand_runs,
+    fleet_facts,
+    list_experiments,
+    load_experiment,
+    load_records,
+    parse_overrides,
+    run_experiment,
+    write_report,
+)
+from tools.simulate import SimConfig, simulate
+
+TINY = """
+name = "tiny"
+title = "Tiny"
+paper = "none"
+analysis = "fedspa_table"
+seeds = [0, 1]
+
+[base]
+dataset = "digits"
+model = "logreg"
+devices = 4
+participation = 0.5
+rounds = 2
+local-steps = 2
+batch-size = 8
+lr = 0.5
+clip = 1.0
+delta = 1e-3
+
+[quick]
+seeds = [0]
+rounds = 1
+
+[[runs]]
+label = "private"
+noise = { multiplier = 1.0 }
+meta = { p = 1.0, paper_accuracy = 90.0 }
+
+[[runs]]
+label = "plain"
+clip = "inf"
+grid = { local_steps = [1, 2] }
+"""
+
+
+@pytest.fixture
+def tiny(tmp_path: Path):
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY)
+    return load_experiment(path)
+
+
+def test_expand_applies_grid_seeds_and_quick(tiny) -> None:
+    full = expand_runs(tiny)
+    assert [(s.label, s.seed) for s in full] == [
+        ("private", 0), ("private", 1), ("plain local_steps=1", 0), ("plain local_steps=1", 1),
+        ("plain local_steps=2", 0), ("plain local_steps=2", 1)]
+    assert full[2].settings["clip"] == float("inf")
+    quick = expand_runs(tiny, quick=True)
+    assert {s.seed for s in quick} == {0} and all(s.settings["rounds"] == 1 for s in quick)
+    assert len({s.key for s in full}) == len(full)  # every run stored under its own key
+
+
+def test_runs_are_stored_and_a_rerun_skips_them(tiny, tmp_path: Path) -> None:
+    calls = []
+
+    def counting(cfg: SimConfig, *, out) -> dict:
+        calls.append(cfg)
+        return simulate(cfg, out=out)
+
+    log = tmp_path / "log.txt"
+    with log.open("w") as out:
+        vdir = run_experiment(tiny, quick=True, root=tmp_path / "res", out=out,
+                              simulate_fn=counting)
+    assert len(calls) == 3 and len(load_records(vdir)) == 3
+    first = next(p for p in sorted((vdir / "runs").glob("*.json")))
+    first.unlink()  # as if killed before this run finished
+
+    def must_not_rerun_others(cfg: SimConfig, *, out) -> dict:
+        calls.append(cfg)
+        return simulate(cfg, out=out)
+
+    with log.open("a") as out:
+        run_experiment(tiny, quick=True, root=tmp_path / "res", out=out,
+                       simulate_fn=must_not_rerun_others)
+    assert len(calls) == 4  # only the missing run ran again
+    assert "(done, skipped)" in log.read_text()
+    rec = next(r for r in load_records(vdir) if r["label"] == "private")
+    assert rec["noise"] == {"method": "multiplier", "noise_multiplier": 1.0}
+    assert rec["summary"]["epsilon"] > 0
+    meta = json.loads((vdir / "meta.json").read_text())
+    assert meta["command"] == "fedge experiment run tiny --quick"
+
+    report = write_report(root=tmp_path / "res", report=tmp_path / "docs" / "results.md",
+                          experiments=[tiny], preamble="# test")
+    text = report.read_text()
+    assert "`fedge experiment run tiny --quick`" in text
+    assert "Not run yet" in text and "`fedge experiment run tiny`" in text  # full missing
+    assert (vdir / "accuracy.png").exists() and "![accuracy per round](" in text
+    assert "| private | 1.0 |" in text
+
+
+def test_pld_calibration_meets_the_target_for_the_busiest_device(tiny) -> None:
+    spec = expand_runs(tiny)[0]
+    facts = calibrate(spec.settings, {"calibrate": "pld", "epsilon": 2.0})
+    rounds_max, m = fleet_facts(spec.settings)
+    assert facts["rounds_per_device_max"] == rounds_max and facts["local_samples_min"] == m
+    event = PoissonSubsampledGaussian(noise_multiplier=facts["noise_multiplier"],
+                                      sample_rate=8 / m, steps=2 * rounds_max)
+    assert PldAccountant().compose(event).get_epsilon(1e-3) <= 2.0
+
+
+def test_fleet_facts_replay_the_simulators_cohorts() -> None:
+    settings = dict(dataset="digits", model="logreg", devices=10, participation=0.3,
+                    rounds=7, local_steps=1, batch_size=8, lr=0.1, seed=5)
+    summary = simulate(SimConfig(**settings, progress=False))
+    assert fleet_facts(settings)[0] == summary["max_rounds_per_device"]
+
+
+def test_overrides_and_bad_noise_are_clear_errors(tiny) -> None:
+    assert parse_overrides(["local_steps=300", "clip=1.5", "partition=het:2"]) == {
+        "local_steps": 300, "clip": 1.5, "partition": "het:2"}
+    with pytest.raises(ValueError, match="key=value"):
+        parse_overrides(["oops"])
+    with pytest.raises(ValueError, match="calibrate=M"):
+        calibrate(expand_runs(tiny)[0].settings, {"calibrate": "magic", "epsilon": 1})
+
+
+def test_every_declared_experiment_loads_and_cli_lists_them(capsys) -> None:
+    exps = list_experiments()
+    assert {"fedspa-table1", "zcdp-fig3-4", "kim-fig1", "fedpaq-fig2-4",
+            "ours-fedspa-pld"} <= {e.name for e in exps}
+    for exp in exps:
+        for quick in (False, True):
+            for spec in expand_runs(exp, quick=quick):
+                SimConfig(**{**spec.settings, "progress": False})  # every run is valid
+    assert main(["experiment", "list"]) == 0
+    assert "fedspa-table1" in capsys.readouterr().out
+    assert main(["experiment", "run", "no-such-thing"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [e.name for e in list_experiments()])
+def test_quick_variant_runs(name: str, tmp_path: Path) -> None:
+    exp = load_experiment(name)
+    with (tmp_path / "log.txt").open("w") as out:
+        vdir = run_experiment(exp, quick=True, root=tmp_path, out=out)
+    report = write_report(root=tmp_path, report=tmp_path / "results.md", experiments=[exp])
+    assert f"### {name} / quick" in report.read_text()
+    if exp.kind == "simulate":
+        keys = {spec.key for spec in expand_runs(exp, quick=True)}
+        assert {r["key"] for r in load_records(vdir)} == keys
