@@ -285,6 +285,10 @@ class RoundMachine:
             seeded source in tests).
         checkpoint: called with :meth:`snapshot` after every stage transition, before the
             transition's messages are returned (``aggregator.store.CheckpointStore.save``).
+        start_gate: called with the check-ins held (device -> latest ``CheckIn``) before a
+            round would start; the round waits while it returns False. None: no gate. A
+            fleet simulator uses it to start rounds only once every live device checked in,
+            so that the cohort does not depend on message timing.
     """
 
     def __init__(
@@ -296,6 +300,7 @@ class RoundMachine:
         params: Sequence[np.ndarray],
         random_bytes: Callable[[int], bytes] = os.urandom,
         checkpoint: Callable[[bytes], None] | None = None,
+        start_gate: Callable[[Mapping[str, CheckIn]], bool] | None = None,
     ) -> None:
         if registry.aggregator_key != identity.public_key:
             raise ValueError("the registry's aggregator key is not this identity's")
@@ -304,6 +309,7 @@ class RoundMachine:
         self._reg = registry
         self._random = random_bytes
         self._checkpoint = checkpoint
+        self._start_gate = start_gate
         self._opt = OPTIMIZERS[policy.server_opt](server_lr=policy.server_lr)
         self._params = [np.array(p, dtype=np.float32) for p in params]
         if not all(np.isfinite(p).all() for p in self._params):
@@ -343,6 +349,17 @@ class RoundMachine:
         return None if self._round is None else self._round.plan
 
     @property
+    def waiting_for(self) -> frozenset[str]:
+        """The devices the open stage still waits for (empty when idle)."""
+        r = self._round
+        return frozenset() if r is None else frozenset(self._pending(r))
+
+    @property
+    def deadline(self) -> float | None:
+        """When the open stage closes at the latest (None when idle)."""
+        return None if self._round is None else self._round.deadline
+
+    @property
     def dimension(self) -> int:
         return sum(p.size for p in self._params)
 
@@ -377,7 +394,8 @@ class RoundMachine:
             return self._handle(topic, payload, now)
         except ReplayedMessage as e:  # QoS 1 redelivery: expected, harmless
             logger.debug("duplicate ignored: %s", e,
-                         extra={"fedge": {"event": "duplicate", "topic": topic}})
+                         extra={"fedge": {"event": "duplicate", "topic": topic,
+                                          "reason": str(e)}})
         except RemoteProtocolError as e:
             self._reject(topic, str(e))
         return []
@@ -451,6 +469,9 @@ class RoundMachine:
                                       f"a masked input of this round takes at most {limit}")
         data = r.reassembler.add(chunk)
         if data is None:
+            if chunk.device in r.server.survivors:  # nothing changed; say why
+                raise ReplayedMessage(f"upload chunk {chunk.index} of {chunk.device!r}: its "
+                                      f"upload is already accepted")
             return []
         try:
             inner = secagg.decode_message(data)
@@ -602,6 +623,8 @@ class RoundMachine:
             self._startable_since = now
         if len(eligible) < full and now < self._startable_since + pol.checkin_window:
             return []
+        if self._start_gate is not None and not self._start_gate(dict(self._available)):
+            return []
         return self._start(now, eligible)
 
     def _start(self, now: float, eligible: list[str]) -> list[Publish]:
@@ -698,8 +721,10 @@ class RoundMachine:
         registry: Registry,
         random_bytes: Callable[[int], bytes] = os.urandom,
         checkpoint: Callable[[bytes], None] | None = None,
+        start_gate: Callable[[Mapping[str, CheckIn]], bool] | None = None,
     ) -> RoundMachine:
-        """A machine in exactly the state :meth:`snapshot` captured.
+        """A machine in exactly the state :meth:`snapshot` captured (``start_gate`` as in
+        the constructor; it is not part of the snapshot).
 
         Call :meth:`on_connect` first: it re-sends the open stage's messages and restarts
         the stage's deadline on this process's clock.
@@ -709,7 +734,9 @@ class RoundMachine:
         """
         try:
             s = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
-            return cls._restore(s, policy, identity, registry, random_bytes, checkpoint)
+            m = cls._restore(s, policy, identity, registry, random_bytes, checkpoint)
+            m._start_gate = start_gate
+            return m
         except SnapshotError:
             raise
         except (ValueError, TypeError, KeyError, IndexError, AttributeError,

@@ -227,6 +227,7 @@ class _Conn:
     sock: Any = None
     session_present: bool = False
     subscribed: bool = False  # SUBACK for this connection's subscriptions arrived
+    connects: int = 0  # successful connects of this client in this loop
 
 
 class MqttLoop:
@@ -478,6 +479,7 @@ class MqttLoop:
                 log.warning("mqtt client %s: CONNACK %s", conn.config.id, reason)
             return
         self.stats.connects += 1
+        conn.connects += 1
         conn.state = "connected"
         conn.attempt = 0
         conn.session_present = bool(flags.session_present)
@@ -492,9 +494,13 @@ class MqttLoop:
             subs = []
         conn.subscribed = not subs
         if subs:
-            # Retained messages only for new subscriptions: a resumed session already got them.
-            opts = SubscribeOptions(qos=1,
-                                    retainHandling=SubscribeOptions.RETAIN_SEND_IF_NEW_SUB)
+            # Retained messages: on this process's first connect always (a restarted device
+            # resumes its broker session, subscriptions included, but has lost the retained
+            # model it got before); on later reconnects only for new subscriptions, since
+            # this endpoint already holds them.
+            handling = (SubscribeOptions.RETAIN_SEND_ON_SUBSCRIBE if conn.connects == 1
+                        else SubscribeOptions.RETAIN_SEND_IF_NEW_SUB)
+            opts = SubscribeOptions(qos=1, retainHandling=handling)
             client.subscribe([(topic, opts) for topic in subs])
         if conn.config.status_topic is not None:
             # Ahead of the queue: "online" must not wait behind a backlog of uploads.

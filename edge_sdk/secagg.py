@@ -834,6 +834,23 @@ class DeviceIdentity:
     def device(self) -> str:
         return self._device
 
+    def private_bytes(self) -> bytes:
+        """The 64 secret bytes: raw Ed25519 private key (seed) || raw X25519 private key.
+
+        For the key file written at enrollment (``tools.enroll``); keep them secret.
+        """
+        sign = self._sign.private_bytes(
+            serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+            serialization.NoEncryption())
+        return sign + _raw_private(self._agree)
+
+    @classmethod
+    def from_private_bytes(cls, device: str, raw: bytes) -> DeviceIdentity:
+        """Inverse of :meth:`private_bytes`."""
+        _check_bytes("raw", raw, 2 * _KEY_BYTES)
+        return cls(device, sign_key=Ed25519PrivateKey.from_private_bytes(raw[:_KEY_BYTES]),
+                   agree_key=X25519PrivateKey.from_private_bytes(raw[_KEY_BYTES:]))
+
     def enrollment(self) -> Enrollment:
         """The public record to register."""
         return Enrollment(
@@ -868,6 +885,18 @@ class AggregatorIdentity:
     @property
     def public_key(self) -> bytes:
         return _raw_public(self._sign)
+
+    def private_bytes(self) -> bytes:
+        """The raw 32-byte Ed25519 private key (seed); keep it secret."""
+        return self._sign.private_bytes(
+            serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+            serialization.NoEncryption())
+
+    @classmethod
+    def from_private_bytes(cls, raw: bytes) -> AggregatorIdentity:
+        """Inverse of :meth:`private_bytes`."""
+        _check_bytes("raw", raw, _KEY_BYTES)
+        return cls(sign_key=Ed25519PrivateKey.from_private_bytes(raw))
 
     def sign(self, data: bytes) -> bytes:
         return self._sign.sign(data)
@@ -917,6 +946,39 @@ class Registry:
             aggregator_key=aggregator.public_key,
             devices={d.device: d.enrollment() for d in devices},
         )
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able document of the public keys (hex): ``{"aggregator_key": ...,
+        "devices": {name: {"sign_key": ..., "agree_key": ...}}}``."""
+        return {
+            "aggregator_key": self.aggregator_key.hex(),
+            "devices": {n: {"sign_key": e.sign_key.hex(), "agree_key": e.agree_key.hex()}
+                        for n, e in sorted(self.devices.items())},
+        }
+
+    @classmethod
+    def from_json(cls, doc: object) -> Registry:
+        """Inverse of :meth:`to_json`; ValueError naming what is wrong."""
+        if not isinstance(doc, Mapping) or not isinstance(doc.get("devices"), Mapping):
+            raise ValueError("a registry must be a map with 'aggregator_key' and 'devices'")
+
+        def key(value: object, what: str) -> bytes:
+            if not isinstance(value, str):
+                raise ValueError(f"{what} must be a hex string, got {type(value).__name__}")
+            try:
+                return bytes.fromhex(value)
+            except ValueError:
+                raise ValueError(f"{what} is not hex: {value[:16]!r}...") from None
+
+        devices = {}
+        for name, enr in doc["devices"].items():
+            if not isinstance(enr, Mapping):
+                raise ValueError(f"devices[{name!r}] must be a map of sign_key and agree_key")
+            devices[name] = Enrollment(device=name,
+                                       sign_key=key(enr.get("sign_key"), f"{name}.sign_key"),
+                                       agree_key=key(enr.get("agree_key"), f"{name}.agree_key"))
+        return cls(aggregator_key=key(doc.get("aggregator_key"), "aggregator_key"),
+                   devices=devices)
 
     def verify(self, signer: str | None, sig: bytes, data: bytes, what: str) -> None:
         """Check a signature by ``signer`` (None: the aggregator); RemoteProtocolError if bad."""

@@ -94,6 +94,10 @@ class DeviceSession:
         seed: the device's seed; round r's randomness is ``default_rng([seed, r])``.
         random_bytes: key material for secure aggregation.
         max_packet: largest MQTT payload to send (uploads are chunked below it).
+        checkin_every: seconds between repeated check-ins while the device is in no round
+            (None: only on connect and when a round ends). A restarted aggregator resumes
+            from a checkpoint that may predate check-ins it had received; repeating them
+            lets it start rounds again without waiting for devices to reconnect.
     """
 
     def __init__(
@@ -109,7 +113,12 @@ class DeviceSession:
         seed: int,
         random_bytes: Callable[[int], bytes] = os.urandom,
         max_packet: int = wire.DEFAULT_MAX_PACKET,
+        checkin_every: float | None = None,
     ) -> None:
+        if checkin_every is not None and not (math.isfinite(checkin_every)
+                                              and checkin_every > 0):
+            raise ValueError(f"checkin_every must be None or finite and > 0, "
+                             f"got {checkin_every!r}")
         self.fleet = wire.check_name("fleet", fleet)
         self.device = wire.check_name("device", identity.device)
         if registry.devices.get(self.device) != identity.enrollment():
@@ -128,6 +137,8 @@ class DeviceSession:
         self._version = -1
         self._round: _Round | None = None
         self._inputs: dict[int, np.ndarray] = {}
+        self._checkin_every = checkin_every
+        self._next_checkin = math.inf
 
     # ------------------------------------------------------------------ properties
 
@@ -160,25 +171,34 @@ class DeviceSession:
 
     def on_connect(self, now: float) -> list[Publish]:
         """(Re)connected: check in."""
-        return [self._checkin()]
+        return self._checked_in([self._checkin()], now)
 
     def on_tick(self, now: float) -> list[Publish]:
-        """Give up on a round that has gone silent (the aggregator dropped this device)."""
+        """Give up on a round that has gone silent (the aggregator dropped this device);
+        repeat the check-in every ``checkin_every`` seconds outside rounds."""
         r = self._round
         if r is not None and now - r.last_heard > _GIVE_UP_STAGES * r.plan.stage_timeout:
             self._end_round("silent")
-            return [self._checkin()]
+            return self._checked_in([self._checkin()], now)
+        if r is None and now >= self._next_checkin:
+            return self._checked_in([self._checkin()], now)
         return []
 
     def on_message(self, topic: str, payload: bytes, now: float) -> list[Publish]:
         """One inbound message. Never raises: a bad one is logged and changes nothing."""
         try:
-            return self._handle(topic, payload, now)
+            return self._checked_in(self._handle(topic, payload, now), now)
         except RemoteProtocolError as e:
             logger.warning("%s rejected message on %s: %s", self.device, topic, e, extra={
                 "fedge": {"event": "rejected", "device": self.device, "topic": topic,
                           "reason": str(e), "round": self.round_id}})
             return []
+
+    def _checked_in(self, out: list[Publish], now: float) -> list[Publish]:
+        if self._checkin_every is not None and any(
+                p.topic.endswith("/up/checkin") for p in out):
+            self._next_checkin = now + self._checkin_every
+        return out
 
     # ------------------------------------------------------------------ dispatch
 

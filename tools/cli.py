@@ -23,7 +23,8 @@ def _float_or_inf(text: str) -> float:
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("simulate", help="run a simulated private fleet in-process")
+    p = sub.add_parser("simulate", help="run a simulated private fleet (in-process, or "
+                                        "with secure aggregation over a broker)")
     p.add_argument("--config", help="TOML file with the same settings (flags override it)")
     p.add_argument("--dataset", help="fashion-mnist | digits | breast-cancer")
     p.add_argument("--model", help="logreg | mlp | tabular | cnn")
@@ -56,6 +57,23 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default 1)")
     p.add_argument("--eval-every", type=int)
     p.add_argument("--seed", type=int)
+    g = p.add_argument_group("fleet (device sessions, ledgers, secure aggregation)")
+    g.add_argument("--transport", choices=["inproc", "mqtt"],
+                   help="inproc: in-memory broker, simulated clock (default); mqtt: a real "
+                        "mosquitto with TLS and per-device credentials (implies --secagg)")
+    g.add_argument("--secagg", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the fleet path: every device a DeviceSession with its ledger, "
+                        "SecAgg+ with dropout recovery (default: off for inproc)")
+    g.add_argument("--dropout", type=float,
+                   help="fraction of each round's cohort that vanishes at a random stage")
+    g.add_argument("--stage-timeout", type=float,
+                   help="seconds per secure-aggregation stage (a safety net; vanished "
+                        "devices are detected without waiting)")
+    g.add_argument("--value-bound", type=float,
+                   help="uploaded values are clamped to [-B, B] before fixed-point encoding")
+    g.add_argument("--budget-epsilon", type=float, help="each device ledger's lifetime budget")
+    g.add_argument("--workdir", help="keep ledgers, checkpoint and broker files here "
+                                     "(default: a temporary directory)")
     p.add_argument("--json-out", help="write the JSON summary here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -66,23 +84,44 @@ def _simulate(args: argparse.Namespace) -> int:
     keys = ["dataset", "model", "devices", "participation", "rounds", "local_steps",
             "batch_size", "lr", "clip", "noise_multiplier", "delta", "partition", "sampling",
             "server_lr", "server_opt", "weighting", "backend", "threads", "eval_every",
-            "seed", "mechanism", "sparsity", "quant_levels", "update_clip", "binomial_trials"]
+            "seed", "mechanism", "sparsity", "quant_levels", "update_clip", "binomial_trials",
+            "transport", "secagg", "dropout", "stage_timeout", "value_bound", "budget_epsilon"]
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     if args.quiet:
         overrides["progress"] = False
+    if args.transport == "mqtt" and args.secagg is None:
+        overrides["secagg"] = True  # a config file's secagg = false must not contradict it
     cfg = load_config(args.config, **overrides) if args.config else SimConfig(**overrides)
-    summary = simulate(cfg)
+    if args.workdir and not cfg.secagg:
+        raise ValueError("--workdir applies to the fleet path (--secagg or --transport mqtt)")
+    if cfg.secagg:
+        from tools.fleet import simulate_fleet
+
+        summary = simulate_fleet(cfg, workdir=args.workdir)
+    else:
+        summary = simulate(cfg)
     if args.json_out:
         write_json(summary, args.json_out)
     eps = summary["epsilon"]
     eps_s = "inf (no noise)" if eps is None else f"{eps:.4f} at delta={cfg.delta:g}"
     if summary.get("paper_epsilon") is not None:
         eps_s += f" (paper's FedPAQ bound: {summary['paper_epsilon']:.4f})"
+    per = summary["bytes_up_per_upload"]
     print(f"final accuracy {summary['final_accuracy']:.4f}, epsilon {eps_s}, "
           f"uploaded {summary['bytes_up_total'] / 2**20:.2f} MiB "
-          f"({summary['bytes_up_per_upload']:.0f} B per upload vs "
+          f"({'-' if per is None else f'{per:.0f}'} B per upload vs "
           f"{summary['bytes_up_float32_per_upload']} B float32), "
           f"{summary['wall_seconds']:.1f} s")
+    if cfg.secagg:
+        agg = summary["epsilon_aggregate"]
+        print(f"fleet over {summary['transport']} with secure aggregation: "
+              f"{summary['rounds_completed']} rounds completed, {summary['rounds_failed']} "
+              f"failed; aggregate epsilon (secure sum only) "
+              f"{'inf' if agg is None else f'{agg:.4f}'}; model sha256 "
+              f"{summary['model_sha256'][:16]}")
+        if summary["note"]:
+            print(f"fedge simulate: {summary['note']}", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -104,12 +143,18 @@ def _export(args: argparse.Namespace) -> int:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks against a reference measured in the same run")
-    p.add_argument("what", choices=["all", "client", "wire", "accountant", "secagg"],
-                   help="all: every benchmark, written to docs/benchmarks.md; client: "
-                        "DP-SGD step, fedge vs Opacus; wire: bytes per upload; "
+    p.add_argument("what",
+                   choices=["all", "client", "stacks", "wire", "accountant", "secagg", "envelope"],
+                   help="all: every benchmark, written to docs/benchmarks.md (shortfalls "
+                        "against the issues' targets at the top); client: DP-SGD step, fedge "
+                        "vs Opacus, beside the FLOP floor; stacks: import time and installed "
+                        "size, device stack vs torch + Opacus; wire: bytes per upload; "
                         "accountant: fedge vs dp_accounting; secagg: one full SecAgg+ "
-                        "round vs the mask PRG's floor (needs --clients, --dim, --dropout)")
-    p.add_argument("--quick", action="store_true", help="fewer configurations and repetitions")
+                        "round vs the mask PRG's floor (needs --clients, --dim, --dropout); "
+                        "envelope: one device round pinned to one core under 512 MiB. "
+                        "Peers come from tools/bench/requirements.txt")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer configurations and repetitions (all: under 10 minutes)")
     p.add_argument("--json-out", help="write the rows as JSON here")
     g = p.add_argument_group("secagg")
     g.add_argument("--clients", type=int, help="cohort size n (>= 3)")
@@ -163,12 +208,24 @@ def _bench(args: argparse.Namespace) -> int:
     if args.what == "all":
         from tools.bench.report import run_all
 
-        run_all(quick=args.quick, json_out=args.json_out)
+        report = run_all(quick=args.quick, json_out=args.json_out)
+        broken = [k for k, v in report.items() if isinstance(v, dict) and "failed" in v]
+        if broken:
+            print(f"fedge bench: section(s) failed: {', '.join(broken)}", file=sys.stderr)
+            return 1
         return 0
     if args.what == "client":
         from tools.bench.client import run_client_bench
 
         result = {"client": run_client_bench(quick=args.quick)}
+    elif args.what == "stacks":
+        from tools.bench.stacks import run_stacks_bench
+
+        result = {"stacks": run_stacks_bench(quick=args.quick)}
+    elif args.what == "envelope":
+        from tools.bench.envelope import run_envelope_bench
+
+        result = {"envelope": run_envelope_bench(quick=args.quick)}
     elif args.what == "accountant":
         from tools.bench.accountant import run_accountant_bench
 
@@ -266,6 +323,134 @@ def _experiment(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_enroll(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("enroll", help="generate identities, registry, broker config, ledgers "
+                                      "and service configs for a fleet")
+    p.add_argument("--devices", type=int, required=True, help="fleet size (dev-0000, ...)")
+    p.add_argument("--fleet", required=True, help="fleet name (topics fedge/<fleet>/...)")
+    p.add_argument("--out", required=True, help="fleet directory to create")
+    p.add_argument("--port", type=int, help="broker port (default 8883 with TLS, 1883 without)")
+    p.add_argument("--no-tls", action="store_true", help="plain TCP (local experiments only)")
+    p.add_argument("--no-broker", action="store_true",
+                   help="identities and registry only (no broker config, no TOML configs)")
+    p.add_argument("--no-ledgers", action="store_true", help="do not provision ledgers")
+    p.add_argument("--budget-eps", type=float, default=10.0, help="each device's epsilon budget")
+    p.add_argument("--budget-delta", type=float, default=1e-5, help="delta of the budget")
+    p.add_argument("--model", default="logreg-64-10", help="zoo model name (models/onnx)")
+    p.add_argument("--cohort-size", type=int, help="devices per round (default min(10, n))")
+
+
+def _enroll(args: argparse.Namespace) -> int:
+    from tools.enroll import enroll
+
+    policy = {} if args.cohort_size is None else {"cohort_size": args.cohort_size}
+    done = enroll(args.out, devices=args.devices, fleet=args.fleet, broker=not args.no_broker,
+                  port=args.port, tls=not args.no_tls, ledgers=not args.no_ledgers,
+                  budget_epsilon=args.budget_eps, budget_delta=args.budget_delta,
+                  model=args.model, policy=policy)
+    print(f"enrolled {args.devices} devices of fleet {done.fleet!r} in {done.directory}")
+    print(f"public registry: {done.registry}")
+    if done.broker_dir is not None:
+        print(f"broker: mosquitto -c {done.broker_dir / 'mosquitto.conf'}")
+        print(f"aggregator: fedge aggregator --config {done.aggregator_config}")
+        first = next(iter(done.device_configs.values()))
+        print(f"a device: fedge device --config {first} --dataset digits --shard 0 "
+              f"--shards {args.devices}")
+    return 0
+
+
+def _add_device(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("device", help="run one simulated device (its data: a dataset shard)")
+    p.add_argument("--config", required=True, help="device TOML (see edge_sdk.device)")
+    p.add_argument("--dataset", required=True, help="digits | breast-cancer | fashion-mnist")
+    p.add_argument("--shard", type=int, required=True, help="this device's shard index")
+    p.add_argument("--shards", type=int, required=True, help="number of shards")
+    p.add_argument("--partition", default="iid", help="iid | het:K | dirichlet:ALPHA")
+    p.add_argument("--partition-seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, help="exit after contributing to this many rounds")
+    p.add_argument("--audit", help="directory for the encoded (pre-mask) input of each "
+                                   "upload, <device>-round-<r>.npy (tests, audits)")
+
+
+def _device(args: argparse.Namespace) -> int:
+    import signal
+    import time
+    from pathlib import Path
+
+    import numpy as np
+
+    from edge_sdk.device import Device, DeviceConfig
+    from tools.datasets import load_dataset
+    from tools.partition import partition
+
+    config = DeviceConfig.from_toml(args.config)
+    if not 0 <= args.shard < args.shards:
+        raise ValueError(f"--shard must be in [0, --shards={args.shards}), got {args.shard}")
+    ds = load_dataset(args.dataset)
+    idx = partition(ds.y_train, args.shards, args.partition,
+                    np.random.default_rng(args.partition_seed))[args.shard]
+    x, y = ds.x_train[idx], ds.y_train[idx]
+    audit = Path(args.audit) if args.audit else None
+    if audit is not None:
+        audit.mkdir(parents=True, exist_ok=True)
+    holder: list[Device] = []
+
+    def emit(event: dict) -> None:
+        if audit is not None and event["event"] == "uploaded" and holder:
+            r = event["round"]
+            np.save(audit / f"{config.device}-round-{r}.npy",
+                    holder[0].session.encoded_input(r), allow_pickle=False)
+        print(json.dumps({"ts": round(time.time(), 3), "device": config.device, **event}),
+              flush=True)
+
+    device = Device(config, data=lambda: (x, y), on_event=emit)
+    holder.append(device)
+    signal.signal(signal.SIGTERM, lambda *_: device.stop())
+    signal.signal(signal.SIGINT, lambda *_: device.stop())
+    print(json.dumps({"ts": round(time.time(), 3), "device": config.device, "event": "start",
+                      "pid": __import__("os").getpid(), "samples": len(y),
+                      "reservations": len(device.ledger.reservations())}), flush=True)
+    try:
+        if args.rounds is not None:
+            device.run_rounds(args.rounds)
+        else:
+            device.run()
+    finally:
+        device.close()
+    return 0
+
+
+def _add_aggregator(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("aggregator", help="run the aggregator service (JSON log lines on "
+                                          "stdout, Prometheus metrics)")
+    p.add_argument("--config", required=True, help="aggregator TOML (see aggregator.service)")
+    p.add_argument("--exit-when-done", action="store_true",
+                   help="exit once policy.max_rounds rounds have ended")
+
+
+def _aggregator(args: argparse.Namespace) -> int:
+    import signal
+
+    from aggregator.service import AggregatorConfig, AggregatorService
+
+    config = AggregatorConfig.from_toml(args.config)
+    service = AggregatorService(config)
+    signal.signal(signal.SIGTERM, lambda *_: service.stop())
+    signal.signal(signal.SIGINT, lambda *_: service.stop())
+    limit = config.policy.max_rounds
+
+    def done() -> bool:
+        m = service.machine
+        return (args.exit_when_done and limit is not None and m.stage == "idle"
+                and bool(m.history) and m.history[-1].round_id >= limit)
+
+    try:
+        service.run(done)
+    finally:
+        service.close()
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from tools.ledger_cli import add_ledger_parser
     from tools.privacy_cli import add_privacy_parser
@@ -279,9 +464,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_ledger_parser(sub)
     _add_broker(sub)
     _add_experiment(sub)
+    _add_enroll(sub)
+    _add_device(sub)
+    _add_aggregator(sub)
     args = parser.parse_args(argv)
     commands = {"simulate": _simulate, "export": _export, "bench": _bench, "privacy": _privacy,
-                "ledger": _ledger, "broker": _broker, "experiment": _experiment}
+                "ledger": _ledger, "broker": _broker, "experiment": _experiment,
+                "enroll": _enroll, "device": _device, "aggregator": _aggregator}
     try:
         return commands[args.command](args)
     except (ValueError, FileNotFoundError) as exc:

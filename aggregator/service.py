@@ -1,0 +1,473 @@
+"""The aggregator service: a :class:`~aggregator.rounds.RoundMachine` on one MQTT client.
+
+``fedge aggregator --config aggregator.toml`` runs :class:`AggregatorService`::
+
+    AggregatorConfig.from_toml(path)   fleet, broker, identity, registry, checkpoint,
+                                       model, [policy] (RoundPolicy), [metrics]
+    AggregatorService(config)          resumes from the checkpoint if there is one
+                                       (RoundMachine.restore; on_connect re-sends the open
+                                       stage), else starts from the initial model
+    .run()                             until stop() (SIGTERM in the CLI)
+    .close()                           final checkpoint, MQTT goodbye, metrics server off
+
+Checkpoints (``aggregator.store.CheckpointStore``) are written by the machine after every
+stage change, before the change's messages are sent, and once more at a clean shutdown.
+A checkpoint that cannot be read or was taken under another policy or identity stops the
+service (:class:`~aggregator.store.CheckpointCorrupted`,
+:class:`~aggregator.rounds.SnapshotError`): starting afresh would reuse round ids the
+devices' ledgers already hold.
+
+Observability:
+
+* JSON log lines on ``out`` (stdout in the CLI), one object per line with ``ts`` (Unix
+  time) and ``event``: ``start`` (resumed, round, stage, model_version, metrics_port),
+  ``stage`` (round, stage, prev, prev_s: seconds in the previous stage, round_s),
+  ``round_end`` (round, completed, cohort, survivors, declined, dropped, bytes_in,
+  bytes_out, duration_s, model_version, detail), ``rejected`` (topic, reason, round,
+  stage: every refused inbound message, from ``aggregator.rounds``), ``declined``
+  (device, round, reason), ``stop``.
+* Prometheus text exposition (``prometheus-client``, the ``gateway`` extra) on
+  ``metrics_host:metrics_port`` when a port is configured (0: any free port).
+
+Errors are those of the pieces: ``ConfigError`` (``edge_sdk.device``) for unusable
+configuration or key files, ``AggregatorError`` subclasses for checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from aggregator.rounds import RoundMachine, RoundPolicy
+from aggregator.store import CheckpointStore
+from edge_sdk import wire
+from edge_sdk.device import (
+    ConfigError,
+    load_aggregator_identity,
+    load_registry,
+    path_in,
+    read_secret_file,
+    read_toml,
+    resolve_manifest,
+    take,
+)
+from edge_sdk.mqtt import BrokerAddress, ClientConfig, MqttLoop
+from edge_sdk.wire import Publish
+
+__all__ = ["AggregatorConfig", "AggregatorService"]
+
+logger = logging.getLogger("aggregator.service")
+
+_STAGES = ("idle", "collect_keys", "collect_shares", "collect_masked", "collect_unmask")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AggregatorConfig:
+    """What the aggregator service needs (validated on construction).
+
+    Attributes:
+        fleet: the fleet name (must equal ``policy.fleet``).
+        broker_host, broker_port, ca_file: the broker (ca_file None: plain TCP).
+        username: MQTT user (default ``aggregator``); password_file: its password (0600).
+        identity: the aggregator's key file; registry: the fleet's public registry.
+        checkpoint: the checkpoint file (its directory must exist).
+        model / manifest: the model (zoo name or manifest path; exactly one); model_seed
+            seeds the initial parameters (used only when no checkpoint exists).
+        policy: how rounds run (the ``[policy]`` table: ``RoundPolicy`` fields).
+        metrics_port: Prometheus endpoint port (None: none; 0: any free port);
+            metrics_host: its address.
+        tick_s: how often deadlines are checked.
+    """
+
+    fleet: str
+    broker_port: int
+    password_file: Path
+    identity: Path
+    registry: Path
+    checkpoint: Path
+    policy: RoundPolicy
+    broker_host: str = "127.0.0.1"
+    ca_file: Path | None = None
+    username: str = "aggregator"
+    model: str | None = None
+    manifest: Path | None = None
+    model_seed: int = 0
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    tick_s: float = 0.1
+    keepalive_s: int = 30
+    backoff_initial_s: float = 0.25
+    backoff_max_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        try:
+            wire.check_name("fleet", self.fleet)
+            BrokerAddress(host=self.broker_host, port=self.broker_port)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.policy.fleet != self.fleet:
+            raise ConfigError(f"policy is for fleet {self.policy.fleet!r}, not {self.fleet!r}")
+        if (self.model is None) == (self.manifest is None):
+            raise ConfigError("give exactly one of 'model' (a zoo name) and 'manifest'")
+        if self.metrics_port is not None and not (
+                isinstance(self.metrics_port, int) and 0 <= self.metrics_port <= 65535):
+            raise ConfigError(f"metrics port must be in 0..65535, got {self.metrics_port!r}")
+        if not (math.isfinite(self.tick_s) and self.tick_s > 0):
+            raise ConfigError(f"tick_s must be > 0, got {self.tick_s!r}")
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str]) -> AggregatorConfig:
+        """Load an aggregator TOML (paths relative to the file's directory)::
+
+            fleet = "lab"
+            identity = "identity.key"
+            registry = "../registry.json"
+            checkpoint = "state/aggregator.ckpt"
+            model = "logreg-64-10"
+            [broker]
+            host = "127.0.0.1"
+            port = 8883
+            ca_file = "../broker/ca.crt"
+            password_file = "password"
+            [metrics]
+            port = 9464
+            [policy]                     # aggregator.rounds.RoundPolicy fields
+            cohort_size = 10
+            stage_timeout = 30.0
+        """
+        data, base = read_toml(path)
+        pol_fields = {f.name for f in fields(RoundPolicy)} - {"fleet"}
+        pol = take(data.pop("policy", {}), pol_fields, f"{path} [policy]")
+        broker = take(data.pop("broker", {}), {"host", "port", "ca_file", "username",
+                                               "password_file", "keepalive_s",
+                                               "backoff_initial_s", "backoff_max_s"},
+                      f"{path} [broker]")
+        metrics = take(data.pop("metrics", {}), {"port", "host"}, f"{path} [metrics]")
+        top = take(data, {"fleet", "identity", "registry", "checkpoint", "model", "manifest",
+                          "model_seed", "tick_s"}, str(path))
+        values: dict[str, Any] = dict(top)
+        for key in ("identity", "registry", "checkpoint", "manifest"):
+            values[key] = path_in(base, top.get(key), key)
+        values["ca_file"] = path_in(base, broker.get("ca_file"), "ca_file")
+        values["password_file"] = path_in(base, broker.get("password_file"), "password_file")
+        if "host" in broker:
+            values["broker_host"] = broker["host"]
+        if "port" in broker:
+            values["broker_port"] = broker["port"]
+        for key in ("username", "keepalive_s", "backoff_initial_s", "backoff_max_s"):
+            if key in broker:
+                values[key] = broker[key]
+        if "port" in metrics:
+            values["metrics_port"] = metrics["port"]
+        if "host" in metrics:
+            values["metrics_host"] = metrics["host"]
+        missing = [k for k in ("fleet", "broker_port", "password_file", "identity", "registry",
+                               "checkpoint") if values.get(k) is None]
+        if missing:
+            raise ConfigError(f"{path}: missing setting(s) {missing}")
+        try:
+            values["policy"] = RoundPolicy(fleet=values["fleet"], **pol)
+            return cls(**values)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+
+class _Metrics:
+    """Prometheus collectors in a registry of their own, optionally served over HTTP."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        r = self.registry
+        p = "fedge_aggregator_"
+        self.round = Gauge(p + "round", "The open (or last) round id", registry=r)
+        self.stage = Gauge(p + "stage", "1 for the current stage", ["stage"], registry=r)
+        self.model_version = Gauge(p + "model_version", "Global model version", registry=r)
+        self.rounds = Counter(p + "rounds", "Rounds ended (by this process)", ["result"],
+                              registry=r)
+        self.survivors = Gauge(p + "last_round_survivors", "Uploads in the last round's sum",
+                               registry=r)
+        self.dropped = Gauge(p + "last_round_dropped",
+                             "Last round's cohort members neither in the sum nor declining",
+                             registry=r)
+        self.round_seconds = Gauge(p + "last_round_duration_seconds",
+                                   "Wall time of the last round", registry=r)
+        self.stage_seconds = Histogram(p + "stage_duration_seconds", "Time spent per stage",
+                                       ["stage"], registry=r,
+                                       buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300))
+        self.rejected = Counter(p + "rejected_messages", "Inbound messages refused",
+                                registry=r)
+        self.received = Counter(p + "received_bytes", "Payload bytes received", registry=r)
+        self.sent = Counter(p + "sent_bytes", "Payload bytes handed to MQTT", registry=r)
+        self.messages = Counter(p + "received_messages", "Messages received", registry=r)
+        self.connected = Gauge(p + "connected", "1 while connected to the broker", registry=r)
+        for s in _STAGES:
+            self.stage.labels(stage=s).set(0)
+        self._server: Any = None
+
+    def serve(self, host: str, port: int) -> int:
+        from prometheus_client import start_http_server
+
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._server.server_address[1])
+
+    def text(self) -> str:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry).decode()
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class _JsonLog(logging.Handler):
+    """Turns ``aggregator.rounds`` records about peers into JSON log lines."""
+
+    EVENTS = ("rejected", "duplicate", "declined")
+
+    def __init__(self, service: AggregatorService) -> None:
+        super().__init__(logging.DEBUG)
+        self._service = service
+
+    def emit(self, record: logging.LogRecord) -> None:
+        info = getattr(record, "fedge", None)
+        if isinstance(info, dict) and info.get("event") in self.EVENTS:
+            self._service._peer_event(dict(info))  # noqa: SLF001
+
+
+class _Observed:
+    """The MQTT endpoint: the round machine, watched for stage changes and bytes."""
+
+    def __init__(self, service: AggregatorService) -> None:
+        self._s = service
+
+    def subscriptions(self) -> list[str]:
+        return self._s.machine.subscriptions()
+
+    def on_connect(self, now: float) -> list[Publish]:
+        self._s.metrics.connected.set(1)
+        return self._s._after(self._s.machine.on_connect(now), now)  # noqa: SLF001
+
+    def on_message(self, topic: str, payload: bytes, now: float) -> list[Publish]:
+        self._s._bytes_in += len(payload)  # noqa: SLF001
+        self._s.metrics.received.inc(len(payload))
+        self._s.metrics.messages.inc()
+        return self._s._after(self._s.machine.on_message(topic, payload, now), now)  # noqa: SLF001
+
+    def on_tick(self, now: float) -> list[Publish]:
+        return self._s._after(self._s.machine.on_tick(now), now)  # noqa: SLF001
+
+
+class AggregatorService:
+    """The aggregator of one fleet over MQTT (see the module docstring).
+
+    Args:
+        config: the service configuration.
+        out: where JSON log lines go (default stdout).
+        random_bytes: round seeds and nonces (``os.urandom``).
+        clock: monotonic seconds (deadlines); wall: Unix time for log lines.
+
+    Raises:
+        ConfigError: unusable configuration, key, password or registry files.
+        aggregator.store.CheckpointCorrupted, aggregator.rounds.SnapshotError: a checkpoint
+            exists but cannot be resumed.
+    """
+
+    def __init__(self, config: AggregatorConfig, *, out: TextIO | None = None,
+                 random_bytes: Callable[[int], bytes] = os.urandom,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        from edge_sdk.engine import load_manifest
+        from edge_sdk.model import init_params
+
+        self.config = config
+        self._out = out if out is not None else sys.stdout
+        self._clock, self._wall = clock, wall
+        identity = load_aggregator_identity(config.identity, fleet=config.fleet)
+        registry = load_registry(config.registry, fleet=config.fleet)
+        if registry.aggregator_key != identity.public_key:
+            raise ConfigError(f"{config.registry}: the aggregator key is not the one in "
+                              f"{config.identity}")
+        password = read_secret_file(config.password_file).decode().strip()
+        spec = load_manifest(resolve_manifest(config.model, config.manifest)).spec
+        self.store = CheckpointStore(config.checkpoint)
+        self.resumed = self.store.exists()
+        if self.resumed:
+            self.machine = RoundMachine.restore(
+                self.store.load(), policy=config.policy, identity=identity, registry=registry,
+                random_bytes=random_bytes, checkpoint=self.store.save)
+            shapes = [p.shape for p in self.machine.params]
+            if shapes != [s for _, s in spec.param_shapes()]:
+                raise ConfigError(f"{config.checkpoint}: holds a model of shapes {shapes}, "
+                                  f"not {spec.name}")
+        else:
+            params = init_params(spec, np.random.default_rng(config.model_seed))
+            self.machine = RoundMachine(policy=config.policy, identity=identity,
+                                        registry=registry, params=params,
+                                        random_bytes=random_bytes, checkpoint=self.store.save)
+        self.metrics = _Metrics()
+        self.metrics_port: int | None = None
+        self._bytes_in = self._bytes_out = 0
+        self._round_bytes = (0, 0)
+        self._declined: dict[int, int] = {}
+        now = clock()
+        plan = self.machine.current_plan
+        self._seen = (None if plan is None else plan.round_id, self.machine.stage)
+        self._stage_since = self._round_since = now
+        self._last_outcome = max((o.round_id for o in self.machine.history), default=0)
+        self._cohort: dict[int, int] = {} if plan is None else {plan.round_id: len(plan.cohort)}
+        self._handler = _JsonLog(self)
+        rounds_log = logging.getLogger("aggregator.rounds")
+        rounds_log.addHandler(self._handler)
+        if rounds_log.getEffectiveLevel() > logging.DEBUG:
+            # the JSON log reports duplicates (DEBUG) and declines (INFO) too; the handler
+            # alone decides what is written, other handlers keep their own levels
+            rounds_log.setLevel(logging.DEBUG)
+        self._stop = False
+        self._closed = False
+        self.loop = MqttLoop(
+            BrokerAddress(host=config.broker_host, port=config.broker_port,
+                          ca_file=None if config.ca_file is None else str(config.ca_file)),
+            rng=random.Random(int.from_bytes(random_bytes(8), "big")), clock=clock,
+            tick_s=config.tick_s)
+        self.loop.add(ClientConfig(username=config.username, password=password,
+                                   keepalive_s=config.keepalive_s,
+                                   backoff_initial_s=config.backoff_initial_s,
+                                   backoff_max_s=config.backoff_max_s, max_inflight=100),
+                      _Observed(self))
+        self._gauges()
+        try:
+            if config.metrics_port is not None:
+                self.metrics_port = self.metrics.serve(config.metrics_host, config.metrics_port)
+        except OSError as e:
+            self._detach()
+            raise ConfigError(f"metrics endpoint {config.metrics_host}:{config.metrics_port}: "
+                              f"{e.strerror or e}") from None
+        last = self.machine.history[-1].round_id if self.machine.history else None
+        self.log({"event": "start", "resumed": self.resumed, "fleet": config.fleet,
+                  "round": self._seen[0] if self._seen[0] is not None else last,
+                  "stage": self.machine.stage, "model_version": self.machine.model_version,
+                  "metrics_port": self.metrics_port, "pid": os.getpid()})
+
+    # ------------------------------------------------------------------ running
+
+    def stop(self) -> None:
+        """Make :meth:`run` return soon (safe from a signal handler)."""
+        self._stop = True
+
+    def run(self, until: Callable[[], bool] | None = None, *,
+            timeout: float | None = None) -> bool:
+        """Serve until ``until()`` (True), ``timeout`` or :meth:`stop` (False)."""
+        if self._closed:
+            raise RuntimeError("the service is closed")
+        self._stop = False
+        self.loop.run(until=lambda: self._stop or (until is not None and until()),
+                      timeout=timeout)
+        return until is not None and until()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Final checkpoint, MQTT goodbye, metrics endpoint off. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.store.save(self.machine.snapshot())
+            self.loop.close(timeout)
+        finally:
+            self._detach()
+            self.log({"event": "stop", "round": self._seen[0], "stage": self.machine.stage,
+                      "model_version": self.machine.model_version})
+
+    def _detach(self) -> None:
+        logging.getLogger("aggregator.rounds").removeHandler(self._handler)
+        self.metrics.shutdown()
+
+    def __enter__(self) -> AggregatorService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ observing
+
+    def log(self, event: dict[str, Any]) -> None:
+        """Write one JSON log line."""
+        self._out.write(json.dumps({"ts": round(self._wall(), 3), **event}) + "\n")
+        self._out.flush()
+
+    def _peer_event(self, info: dict[str, Any]) -> None:
+        if info["event"] in ("rejected", "duplicate"):
+            self.metrics.rejected.inc()
+        elif info["event"] == "declined" and isinstance(info.get("round"), int):
+            self._declined[info["round"]] = self._declined.get(info["round"], 0) + 1
+        self.log(info)
+
+    def _gauges(self) -> None:
+        m = self.machine
+        rnd, stage = self._seen
+        last = m.history[-1].round_id if m.history else 0
+        self.metrics.round.set(rnd if rnd is not None else last)
+        for s in _STAGES:
+            self.metrics.stage.labels(stage=s).set(1 if s == stage else 0)
+        self.metrics.model_version.set(m.model_version)
+
+    def _after(self, out: list[Publish], now: float) -> list[Publish]:
+        m = self.machine
+        sent = sum(len(p.payload) for p in out)
+        self._bytes_out += sent
+        self.metrics.sent.inc(sent)
+        for o in m.history:  # the history is capped: compare round ids, not lengths
+            if o.round_id > self._last_outcome:
+                self._last_outcome = o.round_id
+                self._round_end(o, now)
+        plan = m.current_plan
+        seen = (None if plan is None else plan.round_id, m.stage)
+        if seen != self._seen:
+            prev_round, prev = self._seen
+            if plan is not None and plan.round_id != prev_round:
+                self._round_since = now
+                self._cohort[plan.round_id] = len(plan.cohort)
+                self._round_bytes = (self._bytes_in, self._bytes_out - sent)
+            self.metrics.stage_seconds.labels(stage=prev).observe(now - self._stage_since)
+            self.log({"event": "stage", "round": seen[0] if seen[0] is not None else prev_round,
+                      "stage": seen[1], "prev": prev, "prev_s": round(now - self._stage_since, 3),
+                      "round_s": round(now - self._round_since, 3)})
+            self._stage_since = now
+            self._seen = seen
+        self._gauges()
+        return out
+
+    def _round_end(self, o: Any, now: float) -> None:
+        cohort = self._cohort.pop(o.round_id, None)
+        declined = self._declined.pop(o.round_id, 0)
+        survivors = len(o.survivors)
+        dropped = None if cohort is None else max(0, cohort - survivors - declined)
+        b_in, b_out = self._round_bytes
+        duration = now - self._round_since
+        self.metrics.rounds.labels(result="completed" if o.completed else "failed").inc()
+        self.metrics.survivors.set(survivors)
+        self.metrics.dropped.set(dropped or 0)
+        self.metrics.round_seconds.set(duration)
+        self.log({"event": "round_end", "round": o.round_id, "completed": o.completed,
+                  "cohort": cohort, "survivors": survivors, "declined": declined,
+                  "dropped": dropped, "survivor_ids": list(o.survivors),
+                  "bytes_in": self._bytes_in - b_in, "bytes_out": self._bytes_out - b_out,
+                  "duration_s": round(duration, 3), "model_version": o.model_version,
+                  "detail": o.detail})

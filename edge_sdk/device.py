@@ -1,0 +1,653 @@
+"""The device agent: configuration, key files and the MQTT adapter around a session.
+
+This is the composition root a device's own software embeds: it reads the device's
+configuration (:class:`DeviceConfig`, TOML), its long-term keys and the fleet's registry
+(files written by ``fedge enroll``), opens the privacy ledger fail-closed, loads the
+exported model, builds a :class:`~edge_sdk.session.DeviceSession` and drives it over one
+MQTT client (:class:`~edge_sdk.mqtt.MqttLoop`: TLS, credentials, a persistent session,
+last will, reconnect with backoff)::
+
+    from edge_sdk.device import Device, DeviceConfig
+
+    config = DeviceConfig.from_toml("/etc/fedge/device.toml")
+    with Device(config, data=read_local_samples) as device:   # () -> (x, y) numpy arrays
+        device.run()                                           # until close() or SIGTERM
+
+Restarts: the ledger is the device's memory. A device killed mid-round and started again
+opens the same ledger; the round it had reserved stays counted, and when the aggregator
+re-sends that round's plan the session declines it (``already_committed``), so the
+device neither spends twice nor uploads twice.
+
+File formats (all JSON, never pickle; ``fedge enroll`` writes them)::
+
+    identity key (0600)  {"format": "fedge-device-key", "v": 1, "fleet": F, "device": D,
+                          "sign_key": hex(Ed25519 private seed, 32 bytes),
+                          "agree_key": hex(X25519 private key, 32 bytes)}
+    aggregator key (0600){"format": "fedge-aggregator-key", "v": 1, "fleet": F,
+                          "sign_key": hex(Ed25519 private seed, 32 bytes)}
+    registry (public)    {"format": "fedge-registry", "v": 1, "fleet": F,
+                          "aggregator_key": hex(Ed25519 public key),
+                          "devices": {D: {"sign_key": hex, "agree_key": hex}, ...}}
+    password (0600)      the MQTT password, one line
+
+Key files readable by group or others are refused (:class:`ConfigError`), as ssh does.
+
+Errors::
+
+    ValueError
+     +-- ConfigError      a configuration, key or registry file that cannot be used
+    edge_sdk.ledger.LedgerCorrupted   the ledger is missing or damaged: the device must
+                                      not train (never recreated here; see ``provision``)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import stat
+import time
+import tomllib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge_sdk import wire
+from edge_sdk.ledger import Budget, Ledger
+from edge_sdk.mqtt import BrokerAddress, ClientConfig, MqttLoop
+from edge_sdk.secagg import AggregatorIdentity, DeviceIdentity, Registry
+from edge_sdk.session import DeviceSession
+from edge_sdk.wire import Publish
+
+__all__ = [
+    "ConfigError",
+    "DataInput",
+    "Device",
+    "DeviceConfig",
+    "aggregator_key_doc",
+    "device_key_doc",
+    "load_aggregator_identity",
+    "load_device_identity",
+    "load_registry",
+    "read_secret_file",
+    "registry_doc",
+    "resolve_manifest",
+]
+
+logger = logging.getLogger("edge_sdk.device")
+
+DataInput = (Callable[[], tuple[np.ndarray, np.ndarray]]
+             | Iterator[tuple[np.ndarray, np.ndarray]]
+             | tuple[np.ndarray, np.ndarray])
+"""Local data: a callable returning (x, y), an iterator of (x, y) (the device moves to
+the next item after each round it trained in; an exhausted iterator keeps its last item),
+or one fixed (x, y) pair."""
+
+_KEY_FORMAT = "fedge-device-key"
+_AGG_KEY_FORMAT = "fedge-aggregator-key"
+_REGISTRY_FORMAT = "fedge-registry"
+_FORMAT_VERSION = 1
+
+
+class ConfigError(ValueError):
+    """A configuration, key, password or registry file that cannot be used (named)."""
+
+
+# =========================================================================== key files
+
+
+def device_key_doc(fleet: str, identity: DeviceIdentity) -> dict[str, Any]:
+    """The JSON document of a device's key file (secret)."""
+    raw = identity.private_bytes()
+    return {"format": _KEY_FORMAT, "v": _FORMAT_VERSION, "fleet": fleet,
+            "device": identity.device, "sign_key": raw[:32].hex(), "agree_key": raw[32:].hex()}
+
+
+def aggregator_key_doc(fleet: str, identity: AggregatorIdentity) -> dict[str, Any]:
+    """The JSON document of the aggregator's key file (secret)."""
+    return {"format": _AGG_KEY_FORMAT, "v": _FORMAT_VERSION, "fleet": fleet,
+            "sign_key": identity.private_bytes().hex()}
+
+
+def registry_doc(fleet: str, registry: Registry) -> dict[str, Any]:
+    """The JSON document of the fleet's public registry."""
+    return {"format": _REGISTRY_FORMAT, "v": _FORMAT_VERSION, "fleet": fleet,
+            **registry.to_json()}
+
+
+def read_secret_file(path: str | os.PathLike[str]) -> bytes:
+    """Bytes of a secret file; refuses one that group or others may read.
+
+    Raises:
+        ConfigError: missing, unreadable, or too permissive.
+    """
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ConfigError(f"{path}: secret file is accessible by group/others "
+                              f"(mode {stat.filemode(mode)}); chmod 600 it")
+        return path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+
+
+def _json_doc(path: Path, raw: bytes, fmt: str, fleet: str | None) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise ConfigError(f"{path}: not JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != fmt or doc.get("v") != _FORMAT_VERSION:
+        raise ConfigError(f"{path}: not a {fmt} v{_FORMAT_VERSION} file")
+    if fleet is not None and doc.get("fleet") != fleet:
+        raise ConfigError(f"{path}: belongs to fleet {doc.get('fleet')!r}, not {fleet!r}")
+    return doc
+
+
+def _hex(path: Path, doc: Mapping[str, Any], key: str, size: int) -> bytes:
+    v = doc.get(key)
+    try:
+        raw = bytes.fromhex(v) if isinstance(v, str) else b""
+    except ValueError:
+        raw = b""
+    if len(raw) != size:
+        raise ConfigError(f"{path}: field {key!r} must be {size} bytes in hex")
+    return raw
+
+
+def load_device_identity(path: str | os.PathLike[str], *, fleet: str | None = None,
+                         device: str | None = None) -> DeviceIdentity:
+    """A device's keys from its key file (checked against ``fleet`` and ``device``)."""
+    path = Path(path)
+    doc = _json_doc(path, read_secret_file(path), _KEY_FORMAT, fleet)
+    name = doc.get("device")
+    if device is not None and name != device:
+        raise ConfigError(f"{path}: holds the keys of {name!r}, not {device!r}")
+    try:
+        return DeviceIdentity.from_private_bytes(
+            str(name), _hex(path, doc, "sign_key", 32) + _hex(path, doc, "agree_key", 32))
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def load_aggregator_identity(path: str | os.PathLike[str], *,
+                             fleet: str | None = None) -> AggregatorIdentity:
+    """The aggregator's signing key from its key file."""
+    path = Path(path)
+    doc = _json_doc(path, read_secret_file(path), _AGG_KEY_FORMAT, fleet)
+    return AggregatorIdentity.from_private_bytes(_hex(path, doc, "sign_key", 32))
+
+
+def load_registry(path: str | os.PathLike[str], *, fleet: str | None = None) -> Registry:
+    """The fleet's public registry (the aggregator's key and every enrolled device's)."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    doc = _json_doc(path, raw, _REGISTRY_FORMAT, fleet)
+    try:
+        return Registry.from_json(doc)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def resolve_manifest(model: str | None, manifest: Path | None) -> Path:
+    """The model manifest: a path, or a zoo name (``logreg-64-10``) among ``models/onnx``."""
+    if (model is None) == (manifest is None):
+        raise ConfigError("give exactly one of 'model' (a zoo name) and 'manifest' (a path)")
+    if manifest is not None:
+        return manifest
+    from models import ONNX_DIR  # torch-free: only the committed files' location
+
+    path = ONNX_DIR / f"{model}.json"
+    if not path.exists():
+        known = sorted(p.stem for p in ONNX_DIR.glob("*.json"))
+        raise ConfigError(f"no exported model {model!r}; exported: {known}")
+    return path
+
+
+# =========================================================================== config
+
+
+def read_toml(path: str | os.PathLike[str]) -> tuple[dict[str, Any], Path]:
+    """A TOML file's tables and its directory (relative paths in it are relative to it)."""
+    path = Path(path)
+    try:
+        return tomllib.loads(path.read_text()), path.resolve().parent
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+
+
+def take(table: Mapping[str, Any], known: set[str], where: str) -> dict[str, Any]:
+    """``table`` with dashes in keys turned to underscores; unknown keys are an error."""
+    out = {k.replace("-", "_"): v for k, v in table.items()}
+    unknown = sorted(set(out) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown setting(s) {unknown}; known: {sorted(known)}")
+    return out
+
+
+def path_in(base: Path, value: object, name: str) -> Path | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{name} must be a non-empty path string, got {value!r}")
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else base / p
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceConfig:
+    """Everything a device agent needs (validated on construction).
+
+    Attributes:
+        fleet, device: names (topics ``fedge/<fleet>/dev/<device>/...``).
+        broker_host, broker_port: the MQTT broker; ca_file: its CA (None: plain TCP, for
+            local experiments only).
+        username: MQTT user (default: the device name); password_file: file holding the
+            MQTT password (0600).
+        identity: the device's key file; registry: the fleet's public registry.
+        ledger: the privacy ledger (must exist: see :meth:`Device.provision`).
+        budget_epsilon, budget_delta: the owner's budget, checked against the ledger's.
+        model: a zoo name (``logreg-64-10``) or manifest: a manifest path; exactly one.
+        backend: ``"onnx"`` or ``"numpy"``; threads: onnxruntime intra-op threads.
+        seed: seeds the device's round randomness (batches, noise, rounding).
+        checkin_every: seconds between check-ins outside rounds (None: never repeat).
+        max_packet: largest MQTT payload the device sends (uploads are chunked below it).
+        keepalive_s, backoff_initial_s, backoff_max_s: MQTT connection policy.
+    """
+
+    fleet: str
+    device: str
+    broker_port: int
+    password_file: Path
+    identity: Path
+    registry: Path
+    ledger: Path
+    budget_epsilon: float
+    budget_delta: float
+    broker_host: str = "127.0.0.1"
+    ca_file: Path | None = None
+    username: str | None = None
+    model: str | None = None
+    manifest: Path | None = None
+    backend: str = "onnx"
+    threads: int = 1
+    seed: int = 0
+    checkin_every: float | None = 30.0
+    max_packet: int = wire.DEFAULT_MAX_PACKET
+    keepalive_s: int = 30
+    backoff_initial_s: float = 0.25
+    backoff_max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        try:
+            wire.check_name("fleet", self.fleet)
+            wire.check_name("device", self.device)
+            Budget(epsilon=self.budget_epsilon, delta=self.budget_delta)
+            BrokerAddress(host=self.broker_host, port=self.broker_port)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.backend not in ("onnx", "numpy"):
+            raise ConfigError(f"backend must be 'onnx' or 'numpy', got {self.backend!r}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) \
+                or self.threads < 1:
+            raise ConfigError(f"threads must be an integer >= 1, got {self.threads!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}")
+        if self.checkin_every is not None and not (
+                isinstance(self.checkin_every, int | float)
+                and math.isfinite(self.checkin_every) and self.checkin_every > 0):
+            raise ConfigError(f"checkin_every must be > 0 seconds, got {self.checkin_every!r}")
+        if (self.model is None) == (self.manifest is None):
+            raise ConfigError("give exactly one of 'model' (a zoo name) and 'manifest'")
+        if not isinstance(self.max_packet, int) or self.max_packet < 512:
+            raise ConfigError(f"max_packet must be an integer >= 512, got {self.max_packet!r}")
+
+    @property
+    def mqtt_username(self) -> str:
+        return self.username or self.device
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str], **overrides: Any) -> DeviceConfig:
+        """Load a device TOML (paths relative to the file's directory)::
+
+            fleet = "lab"
+            device = "dev-0000"
+            model = "logreg-64-10"          # or manifest = "path/to/model.json"
+            identity = "identity.key"
+            registry = "../../registry.json"
+            ledger = "ledger.db"
+            seed = 0
+            [budget]
+            epsilon = 8.0
+            delta = 1e-5
+            [broker]
+            host = "127.0.0.1"
+            port = 8883
+            ca_file = "../../broker/ca.crt"
+            password_file = "password"      # username defaults to the device name
+        """
+        data, base = read_toml(path)
+        budget = take(data.pop("budget", {}), {"epsilon", "delta"}, f"{path} [budget]")
+        broker = take(data.pop("broker", {}),
+                      {"host", "port", "ca_file", "username", "password_file", "keepalive_s",
+                       "backoff_initial_s", "backoff_max_s"}, f"{path} [broker]")
+        top = take(data, {"fleet", "device", "identity", "registry", "ledger", "model",
+                          "manifest", "backend", "threads", "seed", "checkin_every",
+                          "max_packet"}, str(path))
+        values: dict[str, Any] = dict(top)
+        for key in ("identity", "registry", "ledger", "manifest"):
+            values[key] = path_in(base, top.get(key), key)
+        if "epsilon" in budget:
+            values["budget_epsilon"] = budget["epsilon"]
+        if "delta" in budget:
+            values["budget_delta"] = budget["delta"]
+        for key in ("host", "port"):
+            if key in broker:
+                values[f"broker_{key}"] = broker[key]
+        for key in ("username", "keepalive_s", "backoff_initial_s", "backoff_max_s"):
+            if key in broker:
+                values[key] = broker[key]
+        values["ca_file"] = path_in(base, broker.get("ca_file"), "ca_file")
+        values["password_file"] = path_in(base, broker.get("password_file"), "password_file")
+        values.update(overrides)
+        missing = [k for k in ("fleet", "device", "broker_port", "password_file", "identity",
+                               "registry", "ledger", "budget_epsilon", "budget_delta")
+                   if values.get(k) is None]
+        if missing:
+            raise ConfigError(f"{path}: missing setting(s) {missing}")
+        try:
+            return cls(**values)
+        except TypeError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+
+# =========================================================================== the agent
+
+
+class _Data:
+    """Adapts a :data:`DataInput` to the session's ``() -> (x, y)``."""
+
+    def __init__(self, data: DataInput) -> None:
+        self._fn: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None
+        self._it: Iterator[tuple[np.ndarray, np.ndarray]] | None = None
+        self._current: tuple[np.ndarray, np.ndarray] | None = None
+        self._advance = True
+        if isinstance(data, tuple):
+            if len(data) != 2:
+                raise ValueError(f"data as a tuple must be (x, y), got {len(data)} items")
+            pair = (np.asarray(data[0]), np.asarray(data[1]))
+            self._fn = lambda: pair
+        elif callable(data):
+            self._fn = data
+        elif isinstance(data, Iterator):
+            self._it = data
+        else:
+            raise ValueError(f"data must be a callable, an iterator of (x, y) or an (x, y) "
+                             f"tuple, got {type(data).__name__}")
+
+    def __call__(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._fn is not None:
+            return self._fn()
+        assert self._it is not None
+        if self._advance or self._current is None:
+            self._advance = False
+            try:
+                self._current = next(self._it)
+            except StopIteration:
+                if self._current is None:
+                    raise ValueError("the data iterator yielded nothing") from None
+        return self._current
+
+    def trained(self) -> None:
+        """A round trained on the current item: take the next one from now on."""
+        self._advance = True
+
+
+class _Agent:
+    """The MQTT endpoint: the session plus round bookkeeping and event reports."""
+
+    def __init__(self, session: DeviceSession, data: _Data,
+                 on_event: Callable[[dict[str, Any]], None]) -> None:
+        self.session = session
+        self._data = data
+        self._emit = on_event
+        self.contributed = 0  # rounds this device uploaded to that ended with a new model
+        self._open: tuple[int, int] | None = None  # (round, model version) while in a round
+        self._version = session.model_version
+        self._uploaded: set[int | None] = set()
+
+    def subscriptions(self) -> list[str]:
+        return self.session.subscriptions()
+
+    def on_connect(self, now: float) -> list[Publish]:
+        self._emit({"event": "connected", "model_version": self.session.model_version})
+        return self._after(self.session.on_connect(now))
+
+    def on_message(self, topic: str, payload: bytes, now: float) -> list[Publish]:
+        return self._after(self.session.on_message(topic, payload, now))
+
+    def on_tick(self, now: float) -> list[Publish]:
+        return self._after(self.session.on_tick(now))
+
+    def _after(self, out: list[Publish]) -> list[Publish]:
+        s = self.session
+        if s.model_version != self._version:
+            self._version = s.model_version
+            self._emit({"event": "model", "model_version": s.model_version})
+        rnd = s.round_id
+        if self._open is not None and rnd != self._open[0]:
+            r, version = self._open
+            self._open = None
+            completed = s.model_version > version and s.encoded_input(r) is not None
+            if completed:
+                self.contributed += 1
+            self._emit({"event": "round_end", "round": r, "contributed": completed,
+                        "model_version": s.model_version})
+        if rnd is not None and self._open is None:
+            self._open = (rnd, s.model_version)
+            self._data.trained()
+            self._emit({"event": "round", "round": rnd, "model_version": s.model_version})
+        chunks = [p for p in out if p.topic.endswith("/up/chunk")]
+        if chunks:
+            # the same upload again (the aggregator re-sent its request after a restart)
+            # is "resent"; "uploaded" happens once per round and process
+            first = rnd not in self._uploaded
+            self._uploaded.add(rnd)
+            self._emit({"event": "uploaded" if first else "resent", "round": rnd,
+                        "chunks": len(chunks), "bytes": sum(len(p.payload) for p in chunks)})
+        for p in out:
+            if p.topic.endswith("/up/decline"):
+                msg = wire.decode(p.payload)
+                self._emit({"event": "declined", "round": msg.round_id,  # type: ignore[union-attr]
+                            "reason": msg.reason})  # type: ignore[union-attr]
+            elif p.topic.endswith("/up/checkin"):
+                self._emit({"event": "checkin", "model_version": s.model_version})
+        return out
+
+
+@dataclass(slots=True)
+class _Handles:
+    ledger: Ledger
+    loop: MqttLoop
+    agent: _Agent
+    closed: bool = False
+    extra: list[Any] = field(default_factory=list)
+
+
+class Device:
+    """A device of a fleet: trains on its own data in the rounds it is selected for.
+
+    Embedding it (the device's own software provides the data)::
+
+        import numpy as np
+        from edge_sdk.device import Device, DeviceConfig
+
+        def samples() -> tuple[np.ndarray, np.ndarray]:
+            x = np.load("/var/lib/sensor/features.npy")      # float32 [m, *input_shape]
+            y = np.load("/var/lib/sensor/labels.npy")        # int64 [m]
+            return x, y
+
+        config = DeviceConfig.from_toml("/etc/fedge/device.toml")
+        with Device(config, data=samples) as device:
+            device.run_rounds(5)          # or device.run() until close() / a signal
+
+    Args:
+        config: the device's configuration.
+        data: the local training set (see :data:`DataInput`).
+        on_event: receives a small dict per event (``connected``, ``checkin``, ``model``,
+            ``round``, ``uploaded``, ``resent``, ``declined``, ``round_end``); default: log lines.
+        random_bytes: key material for secure aggregation (``os.urandom``).
+        clock: monotonic seconds (the session's deadlines).
+
+    Raises:
+        ConfigError: unusable key, registry or password files, or a config that
+            disagrees with them.
+        edge_sdk.ledger.LedgerCorrupted: the ledger is missing or damaged (fail closed).
+        edge_sdk.ledger.LedgerError: the ledger belongs to another device or budget.
+    """
+
+    def __init__(self, config: DeviceConfig, data: DataInput, *,
+                 on_event: Callable[[dict[str, Any]], None] | None = None,
+                 random_bytes: Callable[[int], bytes] = os.urandom,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        from edge_sdk.engine import load_engine, load_manifest
+
+        self.config = config
+        identity = load_device_identity(config.identity, fleet=config.fleet,
+                                        device=config.device)
+        registry = load_registry(config.registry, fleet=config.fleet)
+        if registry.devices.get(config.device) != identity.enrollment():
+            raise ConfigError(f"{config.registry}: device {config.device!r} is not enrolled "
+                              f"with the keys in {config.identity}")
+        password = read_secret_file(config.password_file).decode().strip()
+        manifest = resolve_manifest(config.model, config.manifest)
+        spec = load_manifest(manifest).spec
+        engine = load_engine(manifest, backend=config.backend, threads=config.threads)
+        feed = _Data(data)
+        ledger = Ledger.open(config.ledger, budget=Budget(epsilon=config.budget_epsilon,
+                                                          delta=config.budget_delta),
+                             device_id=config.device, create=False)
+        try:
+            session = DeviceSession(
+                fleet=config.fleet, identity=identity, registry=registry, ledger=ledger,
+                engine=engine, spec=spec, data=feed, seed=config.seed,
+                random_bytes=random_bytes, max_packet=config.max_packet,
+                checkin_every=config.checkin_every)
+            emit = on_event if on_event is not None else _log_event(config.device)
+            agent = _Agent(session, feed, emit)
+            loop = MqttLoop(BrokerAddress(host=config.broker_host, port=config.broker_port,
+                                          ca_file=None if config.ca_file is None
+                                          else str(config.ca_file)),
+                            rng=random.Random(int.from_bytes(random_bytes(8), "big")),
+                            clock=clock)
+            loop.add(ClientConfig(
+                username=config.mqtt_username, password=password,
+                status_topic=wire.status_topic(config.fleet, config.device),
+                keepalive_s=config.keepalive_s, backoff_initial_s=config.backoff_initial_s,
+                backoff_max_s=config.backoff_max_s), agent)
+        except BaseException:
+            ledger.close()
+            raise
+        self._h = _Handles(ledger=ledger, loop=loop, agent=agent)
+        self._stop = False
+
+    @staticmethod
+    def provision(config: DeviceConfig) -> None:
+        """Create the device's ledger with the configured budget (once, at provisioning).
+
+        Raises:
+            edge_sdk.ledger.LedgerError: a ledger already exists there (opening it checks
+                that it belongs to this device and budget; nothing is reset).
+        """
+        Ledger.open(config.ledger, budget=Budget(epsilon=config.budget_epsilon,
+                                                 delta=config.budget_delta),
+                    device_id=config.device, create=True).close()
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def session(self) -> DeviceSession:
+        return self._h.agent.session
+
+    @property
+    def ledger(self) -> Ledger:
+        return self._h.ledger
+
+    @property
+    def model_version(self) -> int:
+        """The global model version the device holds (-1: none yet)."""
+        return self.session.model_version
+
+    @property
+    def rounds_contributed(self) -> int:
+        """Rounds (since this object was made) this device uploaded to that ended with a
+        new global model."""
+        return self._h.agent.contributed
+
+    @property
+    def connected(self) -> bool:
+        return self._h.loop.is_connected(self.config.mqtt_username)
+
+    # ------------------------------------------------------------------ running
+
+    def stop(self) -> None:
+        """Make a running :meth:`run` return soon (safe from a signal handler)."""
+        self._stop = True
+
+    def run(self, until: Callable[[], bool] | None = None, *,
+            timeout: float | None = None) -> bool:
+        """Take part in rounds until ``until()`` is true (True), ``timeout`` seconds pass
+        or :meth:`stop` is called (False). ``until=None``: until stopped."""
+        if self._h.closed:
+            raise RuntimeError("the device is closed")
+        self._stop = False
+
+        def done() -> bool:
+            return self._stop or (until is not None and until())
+
+        self._h.loop.run(until=done, timeout=timeout)
+        return until is not None and until()
+
+    def run_rounds(self, n: int, *, timeout: float | None = None) -> int:
+        """Run until this device has contributed to ``n`` more completed rounds (or
+        ``timeout``/``stop``); returns how many it contributed to."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be an integer >= 0, got {n!r}")
+        start = self.rounds_contributed
+        self.run(lambda: self.rounds_contributed - start >= n, timeout=timeout)
+        return self.rounds_contributed - start
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Say goodbye to the broker (retained "offline", DISCONNECT; the broker keeps the
+        session) and close the ledger. Idempotent."""
+        h = self._h
+        if h.closed:
+            return
+        h.closed = True
+        try:
+            h.loop.close(timeout)
+        finally:
+            h.ledger.close()
+
+    def __enter__(self) -> Device:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _log_event(device: str) -> Callable[[dict[str, Any]], None]:
+    def emit(event: dict[str, Any]) -> None:
+        logger.info("%s: %s", device, event, extra={"fedge": {"device": device, **event}})
+
+    return emit
