@@ -25,7 +25,17 @@ _SQRT2 = math.sqrt(2.0)
 # Below this argument log Phi(x) uses the asymptotic (Mills ratio) series, vectorized; at
 # x = -20 ten terms leave a relative error below 1e-17.
 _ASYMPTOTIC_BELOW = -20.0
-_erfc = np.frompyfunc(math.erfc, 1, 1)
+
+
+def _erfc(x: np.ndarray) -> np.ndarray:
+    """math.erfc elementwise (numpy has no erfc; math.erfc is accurate to about 1 ulp).
+
+    One ``map`` over a flat list, about 60 ns an element here: cheaper than
+    ``np.frompyfunc`` and the cast back from its object array (about 85 ns).
+    """
+    flat = np.ravel(x)
+    out = np.fromiter(map(math.erfc, flat.tolist()), np.float64, flat.size)
+    return out.reshape(np.shape(x))
 
 
 def logsumexp(a: np.ndarray) -> float:
@@ -64,7 +74,7 @@ def log_ndtr(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, dtype=np.float64)
     out = np.empty_like(x)
     far = x < _ASYMPTOTIC_BELOW
-    if np.any(far):
+    if far.any():
         t = x[far]
         inv2 = 1.0 / (t * t)
         # Phi(x) = phi(x)/|x| * (1 - 1/x^2 + 3/x^4 - 15/x^6 + ...), x -> -inf.
@@ -74,29 +84,32 @@ def log_ndtr(x: np.ndarray) -> np.ndarray:
             term = -term * (2 * k - 1) * inv2
             series = series + term
         out[far] = -0.5 * t * t - np.log(-t) - _LOG_SQRT_2PI + np.log(series)
-    near = ~far
-    if np.any(near):
+        near = ~far
         t = x[near]
-        neg = t < 0
-        res = np.empty_like(t)
-        if np.any(neg):
-            res[neg] = np.log(0.5 * _erfc(-t[neg] / _SQRT2).astype(np.float64))
-        if np.any(~neg):
-            res[~neg] = np.log1p(-0.5 * _erfc(t[~neg] / _SQRT2).astype(np.float64))
-        out[near] = res
+    else:
+        near, t = None, x
+    # erfc(|x|/sqrt 2) / 2 is the smaller of Phi(x) and 1 - Phi(x), to full relative
+    # precision: log of it below 0, log1p of minus it above (both logs of values in
+    # (0, 1/2], so neither branch warns; the unused one is discarded).
+    half = 0.5 * _erfc(np.abs(t) / _SQRT2)
+    with np.errstate(divide="ignore"):  # half underflows to 0 only far above 0
+        res = np.where(t < 0, np.log(half), np.log1p(-half))
+    if near is None:
+        return res
+    out[near] = res
     return out
 
 
 def ndtr(x: np.ndarray) -> np.ndarray:
     """Phi(x), the standard normal CDF, elementwise (relative accuracy in the lower tail)."""
     x = np.asarray(x, dtype=np.float64)
-    return 0.5 * _erfc(-x / _SQRT2).astype(np.float64)
+    return 0.5 * _erfc(-x / _SQRT2)
 
 
 def sf_normal(x: np.ndarray) -> np.ndarray:
     """1 - Phi(x) elementwise (relative accuracy in the upper tail)."""
     x = np.asarray(x, dtype=np.float64)
-    return 0.5 * _erfc(x / _SQRT2).astype(np.float64)
+    return 0.5 * _erfc(x / _SQRT2)
 
 
 def log_sf_normal(x: np.ndarray) -> np.ndarray:

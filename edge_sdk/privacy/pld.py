@@ -195,18 +195,27 @@ def _convolve(a: np.ndarray, b: np.ndarray | None) -> tuple[np.ndarray, float]:
     core_b, rest_b = (core_a, rest_a) if b is None else _split_core(bb)
     total = np.zeros(n)
     comp = np.zeros(n)  # Kahan compensation
+    # Scratch for the up to 2 * _CORE_MAX full-length passes below: with fresh temporaries
+    # each pass took 5x as long (0.7 ms vs 0.13 ms at 30,000 entries; allocation and first
+    # touch of the pages, not arithmetic).
+    buf_y, buf_t = np.empty(max(a.size, bb.size)), np.empty(max(a.size, bb.size))
 
-    def add(start: int, values: np.ndarray) -> None:
-        window = slice(start, start + values.size)
-        y = values - comp[window]
-        t = total[window] + y
-        comp[window] = (t - total[window]) - y
-        total[window] = t
+    def add(start: int, scale: float, values: np.ndarray) -> None:
+        """total += scale * values at ``start``, Kahan-compensated (same rounding as the
+        expression form: y = scale * values - comp; t = total + y; comp = (t - total) - y)."""
+        size = values.size
+        tw, cw = total[start : start + size], comp[start : start + size]
+        y = np.multiply(values, scale, out=buf_y[:size])
+        y -= cw
+        t = np.add(tw, y, out=buf_t[:size])
+        np.subtract(t, tw, out=cw)
+        cw -= y
+        tw[...] = t
 
     for i in core_a:
-        add(int(i), a[i] * bb)
+        add(int(i), float(a[i]), bb)
     for j in core_b:
-        add(int(j), bb[j] * rest_a)
+        add(int(j), float(bb[j]), rest_a)
     # Compensated sums: relative error <= 2u + O(m u^2) per entry, plus u per product.
     err = 4.0 * _UNIT_ROUNDOFF * mass
     if rest_a.any() and rest_b.any():

@@ -144,6 +144,41 @@ def test_integer_order_matches_numerical_integral() -> None:
 
 
 @pytest.mark.reference
+@pytest.mark.parametrize(
+    ("q", "sigma", "alpha"), [(1e-4, 10.0, 1.15), (1e-4, 5.0, 1.1), (1e-3, 5.0, 1.1)]
+)
+def test_fractional_orders_near_one_keep_their_precision(
+    q: float, sigma: float, alpha: float
+) -> None:
+    # A - 1 ~ 1e-11 here: log A is only as good as the sum's rounding near 1, which the
+    # double-double partial sums keep (an exactly rounded sum was 1e-5 below the truth).
+    ours = rdp_poisson_subsampled_gaussian(q, sigma, [alpha])[0]
+    exact = _exact_rdp_integral(q, sigma, alpha)
+    assert exact * (1 - 1e-12) <= ours <= exact * (1 + 1e-6)
+
+
+def test_orders_computed_together_match_orders_alone() -> None:
+    # All integer orders share one flat reduction and all fractional ones one table of
+    # j-only factors (or, for many distinct fractional parts, direct evaluation): an
+    # order's RDP must not depend on which other orders it is computed with (beyond
+    # rounding: the chunk widths of the series depend on the largest order).
+    orders = [1.13, 2.27, 3.41, 4.5, 7.5, 2.0, 3.0, 17.0, 256.0, 1024.0, 10.95, 50.5]
+    for q, sigma in ((1e-3, 1.1), (0.05, 0.8), (0.3, 2.0)):
+        together = rdp_poisson_subsampled_gaussian(q, sigma, orders)
+        alone = [rdp_poisson_subsampled_gaussian(q, sigma, [a])[0] for a in orders]
+        np.testing.assert_allclose(together, alone, rtol=1e-12, atol=0)
+
+
+def test_log_factorial_table_matches_lgamma() -> None:
+    from edge_sdk.privacy.rdp import _log_factorials
+
+    table = _log_factorials(3000)
+    exact = np.array([math.lgamma(k + 1) for k in range(3001)])
+    np.testing.assert_array_equal(table[:65], exact[:65])  # lgamma itself below 65
+    assert np.all(np.abs(table - exact) <= 4 * np.spacing(np.maximum(exact, 1.0)))
+
+
+@pytest.mark.reference
 @pytest.mark.parametrize(("q", "sigma"), [(0.001, 1.0), (0.01, 0.5), (0.1, 2.0), (0.5, 5.0)])
 def test_without_replacement_matches_dp_accounting(q: float, sigma: float) -> None:
     orders = np.arange(2, 65, dtype=float)

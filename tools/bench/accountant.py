@@ -18,11 +18,14 @@ fedge's PLD runs at its default, an automatic grid (1/50 of the smallest per-ste
 standard deviation, coarsened only if the composed loss would not fit in ``max_bins``),
 which may be finer or coarser than 1e-4 depending on (z, q, K); the grid it used is
 reported. It is also timed on dp_accounting's own 1e-4 grid, reported beside it as the
-like-for-like comparison. fedge's PLD must never report less than the true epsilon, so the
-table says whether its epsilon is >= dp_accounting's (up to 1e-9 relative) and their
-relative difference. dp_accounting's figure is itself a pessimistic bound on its own grid,
-so on a finer grid a lower fedge epsilon is tighter, not necessarily unsound; the check is
-printed as measured either way, as are all numbers here.
+like-for-like comparison, and on a grid 0.9 x as fine (9e-5), which leaves room for the
+floating-point and tail slack fedge adds to delta (see ``FEDGE_TIGHTER_PLD_INTERVAL``):
+the "equal or better accuracy" comparison, with its epsilon's relative difference.
+fedge's PLD must never report less than the true epsilon, so the table says whether its
+epsilon is >= dp_accounting's (up to 1e-9 relative) and their relative difference.
+dp_accounting's figure is itself a pessimistic bound on its own grid, so on a finer grid a
+lower fedge epsilon is tighter, not necessarily unsound; the check is printed as measured
+either way, as are all numbers here.
 """
 
 from __future__ import annotations
@@ -39,6 +42,12 @@ from tools.bench.client import REPO, machine
 NOISE_MULTIPLIER = 1.1
 DELTA = 1e-5
 DP_ACCOUNTING_PLD_INTERVAL = 1e-4  # dp_accounting.pld.PLDAccountant's default
+# fedge's PLD on dp_accounting's grid has the same discretization but adds to delta a
+# rigorous bound on its floating-point error and the mass of its cut tails (measured at
+# 70,000 steps: 2e-10, +1.3e-6 relative in epsilon), which dp_accounting does not. Both
+# connect the dots, an error that scales like interval^2: 0.9 x the grid removes ~19% of it
+# (~1e-4 relative in epsilon at 70,000 steps), a like-for-like point at least as tight.
+FEDGE_TIGHTER_PLD_INTERVAL = 0.9 * DP_ACCOUNTING_PLD_INTERVAL
 PESSIMISM_RTOL = 1e-9
 
 # impl, z, q, steps, delta[, fedge PLD interval]. Prints {s, eps, mem_mib, interval}.
@@ -95,17 +104,20 @@ print(json.dumps({"s": dt, "eps": eps, "mem_mib": max(peak - base, 0.0) / 1024,
                   "interval": grid}))
 '''
 
-_IMPLS = ("fedge_rdp", "dpa_rdp", "fedge_pld", "dpa_pld", "fedge_pld_dpa_grid")
+_IMPLS = ("fedge_rdp", "dpa_rdp", "fedge_pld", "dpa_pld", "fedge_pld_dpa_grid",
+          "fedge_pld_tighter_grid")
+_FIXED_GRID = {"fedge_pld_dpa_grid": DP_ACCOUNTING_PLD_INTERVAL,
+               "fedge_pld_tighter_grid": FEDGE_TIGHTER_PLD_INTERVAL}
 
 
 def _child(impl: str, z: float, q: float, steps: int, delta: float) -> dict[str, Any]:
     """One measurement in a fresh process; its JSON result."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                OPENBLAS_NUM_THREADS="1")
-    name = "fedge_pld" if impl == "fedge_pld_dpa_grid" else impl
+    name = "fedge_pld" if impl in _FIXED_GRID else impl
     argv = [sys.executable, "-c", _CHILD, name, repr(z), repr(q), str(steps), repr(delta)]
-    if impl == "fedge_pld_dpa_grid":
-        argv.append(repr(DP_ACCOUNTING_PLD_INTERVAL))
+    if impl in _FIXED_GRID:
+        argv.append(repr(_FIXED_GRID[impl]))
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode != 0:
         raise RuntimeError(f"accountant bench child {impl!r} (steps={steps}, q={q}) failed "
@@ -141,7 +153,11 @@ def run_accountant_bench(
         ``fedge_pld_interval, dp_accounting_pld_interval``; ``pld_rel_diff`` (fedge PLD
         eps / dp_accounting PLD eps - 1) and ``fedge_pld_not_below`` (fedge's PLD eps >=
         dp_accounting's minus 1e-9 relative); and fedge's PLD on dp_accounting's grid,
-        ``fedge_pld_dpa_grid_s, fedge_pld_dpa_grid_eps, pld_dpa_grid_speedup``.
+        ``fedge_pld_dpa_grid_s, fedge_pld_dpa_grid_eps, fedge_pld_dpa_grid_mem_mib,
+        pld_dpa_grid_speedup, pld_dpa_grid_rel_diff``; and the same on a grid 0.9 x as
+        fine, ``fedge_pld_tighter_grid_s, fedge_pld_tighter_grid_eps,
+        fedge_pld_tighter_grid_mem_mib, pld_tighter_grid_speedup,
+        pld_tighter_grid_rel_diff``.
     """
     if quick:
         if steps_list == (1000, 10000, 70000):
@@ -157,9 +173,10 @@ def run_accountant_bench(
     print("| steps | q | fedge RDP s | dp_acc RDP s | RDP speedup | fedge RDP eps "
           "| dp_acc RDP eps | fedge PLD s (grid) | dp_acc PLD s (grid) | PLD speedup "
           "| fedge PLD eps | dp_acc PLD eps | PLD rel diff | fedge >= dp_acc "
-          "| fedge PLD @1e-4 s (speedup) | fedge PLD @1e-4 eps | fedge PLD MiB "
-          "| dp_acc PLD MiB |", file=out)
-    print("|" + "---|" * 18, file=out, flush=True)
+          "| fedge PLD @1e-4 s (speedup) | fedge PLD @1e-4 eps (rel diff) | fedge PLD MiB "
+          "| fedge PLD @1e-4 MiB | dp_acc PLD MiB | fedge PLD @9e-5 s (speedup) "
+          "| fedge PLD @9e-5 eps (rel diff) | fedge PLD @9e-5 MiB |", file=out)
+    print("|" + "---|" * 22, file=out, flush=True)
     rows = []
     for steps in steps_list:
         q = sample_rate_for(steps)
@@ -177,7 +194,8 @@ def run_accountant_bench(
         }
         for key, impl in (("fedge_rdp", "fedge_rdp"), ("dp_accounting_rdp", "dpa_rdp"),
                           ("fedge_pld", "fedge_pld"), ("dp_accounting_pld", "dpa_pld"),
-                          ("fedge_pld_dpa_grid", "fedge_pld_dpa_grid")):
+                          ("fedge_pld_dpa_grid", "fedge_pld_dpa_grid"),
+                          ("fedge_pld_tighter_grid", "fedge_pld_tighter_grid")):
             times = [r["s"] for r in res[impl]]
             row[f"{key}_s"] = statistics.median(times)
             row[f"{key}_s_min"], row[f"{key}_s_max"] = min(times), max(times)
@@ -193,6 +211,10 @@ def run_accountant_bench(
         f_eps, d_eps = row["fedge_pld_eps"], row["dp_accounting_pld_eps"]
         row["pld_rel_diff"] = f_eps / d_eps - 1.0
         row["fedge_pld_not_below"] = bool(f_eps >= d_eps * (1.0 - PESSIMISM_RTOL))
+        row["pld_dpa_grid_rel_diff"] = row["fedge_pld_dpa_grid_eps"] / d_eps - 1.0
+        row["pld_tighter_grid_speedup"] = (row["dp_accounting_pld_s"]
+                                           / row["fedge_pld_tighter_grid_s"])
+        row["pld_tighter_grid_rel_diff"] = row["fedge_pld_tighter_grid_eps"] / d_eps - 1.0
         rows.append(row)
         fgrid = row["fedge_pld_interval"]
         fgrid_s = f"{fgrid:.2g}" if fgrid else "auto"
@@ -204,6 +226,12 @@ def run_accountant_bench(
               f"| {row['pld_speedup']:.2f}x | {f_eps:.5f} | {d_eps:.5f} "
               f"| {row['pld_rel_diff']:+.2e} | {'yes' if row['fedge_pld_not_below'] else 'NO'} "
               f"| {row['fedge_pld_dpa_grid_s']:.3f} ({row['pld_dpa_grid_speedup']:.2f}x) "
-              f"| {row['fedge_pld_dpa_grid_eps']:.5f} | {row['fedge_pld_mem_mib']:.1f} "
-              f"| {row['dp_accounting_pld_mem_mib']:.1f} |", file=out, flush=True)
+              f"| {row['fedge_pld_dpa_grid_eps']:.5f} ({row['pld_dpa_grid_rel_diff']:+.1e}) "
+              f"| {row['fedge_pld_mem_mib']:.1f} "
+              f"| {row['fedge_pld_dpa_grid_mem_mib']:.1f} "
+              f"| {row['dp_accounting_pld_mem_mib']:.1f} "
+              f"| {row['fedge_pld_tighter_grid_s']:.3f} ({row['pld_tighter_grid_speedup']:.2f}x) "
+              f"| {row['fedge_pld_tighter_grid_eps']:.5f} "
+              f"({row['pld_tighter_grid_rel_diff']:+.1e}) "
+              f"| {row['fedge_pld_tighter_grid_mem_mib']:.1f} |", file=out, flush=True)
     return rows
