@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,9 +24,9 @@ from edge_sdk.engine import load_engine
 from edge_sdk.ledger import Budget, Ledger
 from edge_sdk.model import build_spec, init_params
 from edge_sdk.session import DeviceSession
-from edge_sdk.wire import Publish
 from models import manifest_path
 from tools.datasets import load_dataset
+from tools.inproc import MemoryBroker, topic_matches
 
 FLEET = "lab"
 N_DEVICES = 20
@@ -36,78 +35,11 @@ N_DEVICES = 20
 # ----------------------------------------------------------------------- the broker
 
 
-def topic_matches(pattern: str, topic: str) -> bool:
-    """MQTT topic-filter matching (``+`` one level, ``#`` the rest, also zero levels)."""
-    p, t = pattern.split("/"), topic.split("/")
-    for i, part in enumerate(p):
-        if part == "#":
-            return True
-        if i >= len(t) or (part != "+" and part != t[i]):
-            return False
-    return len(p) == len(t)
-
-
 def test_topic_matching() -> None:
     assert topic_matches("fedge/f/dev/+/up/+", "fedge/f/dev/d1/up/chunk")
     assert not topic_matches("fedge/f/dev/+/up/+", "fedge/f/dev/d1/down/chunk")
     assert topic_matches("fedge/#", "fedge") and topic_matches("fedge/#", "fedge/a/b")
     assert not topic_matches("fedge/+", "fedge/a/b")
-
-
-class MemoryBroker:
-    """A small in-process pub/sub: FIFO delivery, QoS 1 as exactly-once, retained messages.
-
-    ``drop(name, topic, payload)`` may veto a delivery (the endpoint vanished); ``after``
-    is called after each endpoint call and may swap endpoints (crash + restore).
-    """
-
-    def __init__(self) -> None:
-        self.endpoints: dict[str, Any] = {}
-        self.subs: list[tuple[str, str]] = []
-        self.retained: dict[str, bytes] = {}
-        self.queue: deque[tuple[str, str, bytes]] = deque()
-        self.drop: Callable[[str, str, bytes], bool] = lambda name, topic, payload: False
-        self.after: Callable[[str], bool] = lambda name: False
-        self.sent: list[tuple[str, str, bytes]] = []  # (sender, topic, payload)
-
-    def attach(self, name: str, endpoint: Any, now: float) -> None:
-        self.endpoints[name] = endpoint
-        filters = endpoint.subscriptions()
-        self.subs += [(f, name) for f in filters]
-        for topic, payload in list(self.retained.items()):
-            if any(topic_matches(f, topic) for f in filters):
-                self._call(name, lambda e, t=topic, p=payload: e.on_message(t, p, now))
-        self._call(name, lambda e: e.on_connect(now))
-
-    def detach(self, name: str) -> None:
-        self.endpoints.pop(name, None)
-        self.subs = [(f, n) for f, n in self.subs if n != name]
-
-    def _call(self, name: str, fn: Callable[[Any], list[Publish]]) -> None:
-        out = fn(self.endpoints[name])
-        if self.after(name):  # the endpoint crashed before its output left
-            return
-        for p in out:
-            assert isinstance(p, Publish) and isinstance(p.payload, bytes)
-            self.sent.append((name, p.topic, p.payload))
-            if p.retain:
-                self.retained[p.topic] = p.payload
-            self.queue.append((name, p.topic, p.payload))
-
-    def run(self, now: float) -> None:
-        while self.queue:
-            _, topic, payload = self.queue.popleft()
-            for f, name in list(self.subs):
-                if name in self.endpoints and topic_matches(f, topic):
-                    if self.drop(name, topic, payload):
-                        continue
-                    self._call(name, lambda e, t=topic, p=payload: e.on_message(t, p, now))
-
-    def tick(self, now: float) -> None:
-        for name in list(self.endpoints):
-            if name in self.endpoints:
-                self._call(name, lambda e: e.on_tick(now))
-        self.run(now)
 
 
 # ----------------------------------------------------------------------- the fleet

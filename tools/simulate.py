@@ -16,6 +16,10 @@ Mechanisms (``mechanism``):
   bound) per round at delta / rounds, amplified by the subsample, composed by summing.
 Uploads: the kept values (k = p*d of them), optionally quantized with s levels (QSGD,
 after the noise), counted in bytes: payload, msgpack framing and the MQTT PUBLISH header.
+
+With ``secagg`` (implied by ``transport = "mqtt"``) :func:`simulate` runs the fleet path
+instead (``tools.fleet``): real device sessions with ledgers and secure aggregation,
+dropouts (``dropout``), over the in-memory broker or a real mosquitto.
 """
 
 from __future__ import annotations
@@ -85,9 +89,27 @@ class SimConfig:
     seed: int = 0
     eval_every: int = 1
     eval_batch: int = 2000
+    # The fleet path (tools.fleet): device sessions with ledgers, secure aggregation.
+    transport: str = "inproc"  # "inproc" (in-memory broker) | "mqtt" (a real mosquitto)
+    secagg: bool | None = None  # None: on for transport "mqtt", off for "inproc"
+    dropout: float = 0.0  # fraction of each cohort that vanishes at a random stage
+    stage_timeout: float = 120.0  # seconds per secure-aggregation stage (a safety net)
+    value_bound: float = 1.0  # uploads are clamped to [-B, B] before fixed-point encoding
+    budget_epsilon: float = 100.0  # each device ledger's lifetime budget at delta
     progress: bool = field(default=True, compare=False)
 
     def __post_init__(self) -> None:
+        if self.transport not in ("inproc", "mqtt"):
+            raise ValueError(f"transport must be 'inproc' or 'mqtt', got {self.transport!r}")
+        if self.secagg is None:
+            object.__setattr__(self, "secagg", self.transport == "mqtt")
+        elif self.transport == "mqtt" and not self.secagg:
+            raise ValueError("transport 'mqtt' runs the fleet with secure aggregation; "
+                             "secagg = false is only for transport 'inproc'")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if self.dropout and not self.secagg:
+            raise ValueError("dropout needs the fleet path (secagg = true or transport 'mqtt')")
         if self.dataset not in DATASETS:
             raise ValueError(f"dataset must be one of {DATASETS}, got {self.dataset!r}")
         if self.devices < 1:
@@ -114,10 +136,38 @@ class SimConfig:
             raise ValueError(f"eval_every must be >= 1, got {self.eval_every!r}")
         parse_scheme(self.partition)
         self.local()  # validates the local-round settings
+        if self.secagg:
+            self.fleet_checks()
 
     @property
     def cohort_size(self) -> int:
         return max(1, round(self.participation * self.devices))
+
+    def fleet_checks(self) -> None:
+        """Raise ValueError for settings the fleet path (secure aggregation) cannot run."""
+        if self.mechanism != "gaussian":
+            raise ValueError(f"secure aggregation runs mechanism 'gaussian', "
+                             f"got {self.mechanism!r}")
+        if self.weighting != "uniform":
+            raise ValueError("secure aggregation sums uniformly: weighting must be 'uniform'")
+        if not math.isfinite(self.clip):
+            raise ValueError("secure aggregation needs a finite clip (the devices' ledgers "
+                             "and the fixed-point range depend on it)")
+        if not self.noise_multiplier > 0:
+            raise ValueError("the fleet path needs noise_multiplier > 0: a device's ledger "
+                             "refuses a release with unbounded epsilon")
+        if self.cohort_size < 3:
+            raise ValueError(f"secure aggregation needs a cohort of >= 3 devices, "
+                             f"participation * devices gives {self.cohort_size}")
+        for name in ("stage_timeout", "value_bound", "budget_epsilon"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be finite and > 0, got {v!r}")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The settings as JSON-able values (non-finite floats as None)."""
+        return {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
+                for k, v in dataclasses.asdict(self).items()}
 
     def local(self) -> LocalTraining:
         return LocalTraining(
@@ -234,6 +284,10 @@ def _upload_integers(ints: np.ndarray, grid: float, rnd: int,
 
 def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
     """Run the fleet; return the JSON-able summary (see module docstring for epsilon)."""
+    if cfg.secagg:
+        from tools.fleet import simulate_fleet
+
+        return simulate_fleet(cfg, out=out)
     t0 = time.perf_counter()
     data = load_dataset(cfg.dataset)
     spec = build_spec(cfg.model, data.input_shape, data.num_classes)

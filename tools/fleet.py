@@ -1,0 +1,667 @@
+"""A fleet with secure aggregation, run over either transport with the same sans-I/O objects.
+
+:class:`Fleet` builds N enrolled devices (identities, registry, a privacy ledger each in
+``workdir/ledgers``, a data shard each from ``tools.partition``, one shared engine) and the
+aggregator's :class:`aggregator.rounds.RoundMachine` (policy from the :class:`SimConfig`),
+then drives them through
+
+* ``inproc``: :class:`tools.inproc.MemoryBroker` and a simulated clock, or
+* ``mqtt``: a real mosquitto (``tools.broker.Broker``: TLS, a password per device, ACLs)
+  with all N device endpoints and the aggregator endpoint on one ``edge_sdk.mqtt.MqttLoop``.
+
+Both paths run the same :class:`edge_sdk.session.DeviceSession` and ``RoundMachine`` code;
+only the wrappers below sit between them and the transport. A run is a function of the
+seeds, so both transports produce the same rounds, bit for bit in the integer sums:
+
+* rounds start only when every device has checked in with the current model (the
+  machine's ``start_gate``), so the cohort (seeded by policy seed and round id over the
+  sorted eligible devices) does not depend on message timing;
+* dropouts (``dropout = F``): for each round a seeded F of the cohort vanishes at a seeded
+  stage, on receipt of the message that opens it: ``keys`` (the plan: never advertises),
+  ``shares`` (neighbour keys: never shares), ``masked`` (forwarded shares: never uploads),
+  ``unmask`` (the unmask request: uploaded, never helps unmask). A vanished device answers
+  nothing; over MQTT its TCP connection is also cut (``MqttLoop.drop``: the broker sees a
+  network failure and publishes its will). It comes back once the round is over, with
+  whatever model and error notice it missed;
+* a stage closes when every device still expected answered, or at its deadline. Missing
+  devices are detected by deadline: when only vanished devices are still awaited, the
+  aggregator's clock jumps to the deadline (on both transports the same rule, so the same
+  devices are dropped). The real ``stage_timeout`` stays a safety net for anything else and
+  is kept generous over MQTT, so that a live device is never dropped for being slow.
+
+Devices' status (last-will) messages are not fed to the machine: the harness knows which
+devices are live, and the moment the broker notices a cut connection is not deterministic.
+
+Key material comes from seeded generators here (reproducible simulation); a deployment
+uses ``os.urandom`` (the default of both endpoints).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+import numpy as np
+
+from aggregator.rounds import RoundMachine, RoundOutcome, RoundPolicy
+from aggregator.store import CheckpointStore
+from edge_sdk import secagg, wire
+from edge_sdk.engine import Engine, load_engine
+from edge_sdk.ledger import Budget, Ledger
+from edge_sdk.model import ModelSpec, build_spec, init_params
+from edge_sdk.session import DeviceSession
+from edge_sdk.wire import CheckIn, Publish
+from models import manifest_path
+from tools.broker import device_names
+from tools.datasets import Dataset, load_dataset
+from tools.inproc import MemoryBroker
+from tools.partition import partition
+
+if TYPE_CHECKING:
+    from tools.simulate import SimConfig
+
+__all__ = ["DROP_STAGES", "DeviceAgent", "DropoutSchedule", "Fleet", "simulate_fleet"]
+
+FLEET_NAME = "sim"
+AGGREGATOR = "aggregator"
+# The stage a device vanishes in -> the downlink kind on whose receipt it vanishes.
+DROP_STAGES: Mapping[str, str] = {
+    "keys": "plan",
+    "shares": "neighbour_keys",
+    "masked": "forwarded_shares",
+    "unmask": "unmask_request",
+}
+_TICK_S = 0.1  # the inproc clock's step while messages flow
+
+
+def seeded_bytes(label: str) -> Callable[[int], bytes]:
+    """A deterministic ``random_bytes`` (SHA-256 in counter mode over ``label``).
+    Simulation only: a deployment's key material comes from ``os.urandom``."""
+    counter = [0]
+
+    def random_bytes(n: int) -> bytes:
+        out = bytearray()
+        while len(out) < n:
+            out += hashlib.sha256(f"{label}/{counter[0]}".encode()).digest()
+            counter[0] += 1
+        return bytes(out[:n])
+
+    return random_bytes
+
+
+class DropoutSchedule:
+    """Which cohort members vanish in a round, and at which stage (seeded, cached).
+
+    ``round(fraction * len(cohort))`` members, drawn with ``default_rng([seed, 7, round])``
+    from the sorted cohort, each at a stage drawn uniformly from :data:`DROP_STAGES`.
+    """
+
+    def __init__(self, fraction: float, seed: int) -> None:
+        if not 0 <= fraction < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {fraction!r}")
+        self.fraction = fraction
+        self.seed = seed
+        self._cache: dict[int, dict[str, str]] = {}
+
+    def victims(self, round_id: int, cohort: Sequence[str]) -> dict[str, str]:
+        """device -> stage name, for round ``round_id`` with this cohort."""
+        got = self._cache.get(round_id)
+        if got is None:
+            members = sorted(cohort)
+            m = min(len(members), round(self.fraction * len(members)))
+            rng = np.random.default_rng([self.seed, 7, round_id])
+            picked = rng.choice(len(members), m, replace=False) if m else []
+            stages = list(DROP_STAGES)
+            got = {members[int(i)]: stages[int(rng.integers(len(stages)))] for i in picked}
+            self._cache[round_id] = got
+        return got
+
+
+@dataclass(slots=True)
+class Meter:
+    """Bytes and messages as the endpoints published / received them."""
+
+    up_payload: int = 0
+    up_packets: int = 0  # MQTT PUBLISH packet bytes (header + topic + payload)
+    up_messages: int = 0
+    down_payload: int = 0
+    down_packets: int = 0
+    down_messages: int = 0
+    delivered_payload: int = 0  # what reached devices (the broker fans the model out)
+
+    def snapshot(self) -> dict[str, int]:
+        return {"up_payload": self.up_payload, "up_packets": self.up_packets,
+                "up_messages": self.up_messages, "down_payload": self.down_payload,
+                "down_packets": self.down_packets, "down_messages": self.down_messages,
+                "delivered_payload": self.delivered_payload}
+
+
+def _count(out: list[Publish], up: bool, meter: Meter) -> list[Publish]:
+    payload = sum(len(p.payload) for p in out)
+    packets = sum(wire.mqtt_publish_size(p.topic, len(p.payload)) for p in out)
+    if up:
+        meter.up_payload += payload
+        meter.up_packets += packets
+        meter.up_messages += len(out)
+    else:
+        meter.down_payload += payload
+        meter.down_packets += packets
+        meter.down_messages += len(out)
+    return out
+
+
+class DeviceAgent:
+    """A device endpoint around a :class:`DeviceSession` that may vanish mid-round.
+
+    While gone it answers nothing (messages, ticks, reconnects); it keeps the newest model
+    and the error notice of the round it left, and replays them into the session on the
+    first tick after :meth:`revive`. Messages of a round it left never reach the session
+    (a QoS 1 redelivery after the cut connection must not make it upload late).
+    """
+
+    def __init__(self, name: str, session: DeviceSession, *, fleet: str,
+                 schedule: DropoutSchedule | None, gone: set[str], meter: Meter,
+                 on_vanish: Callable[[str], None] | None = None) -> None:
+        self.name = name
+        self.session = session
+        self.fleet = fleet
+        self.schedule = schedule
+        self.gone_set = gone
+        self.meter = meter
+        self.on_vanish = on_vanish
+        self.vanished: dict[int, str] = {}  # round -> stage it vanished in
+        self.sent: list[Publish] = []  # everything it published (tests audit uploads)
+        self._target: tuple[int, str] | None = None  # (round, downlink kind) to vanish on
+        self._dead_round = 0
+        self._revive = False
+        self._stash_model: bytes | None = None
+        self._stash_error: bytes | None = None
+        self._model_topic = wire.model_topic(fleet)
+        self._down = wire.device_down_topic(fleet, name, "x")[:-1]
+
+    @property
+    def gone(self) -> bool:
+        return self.name in self.gone_set
+
+    def revive(self) -> None:
+        """Come back (the round it vanished in is over); takes effect on the next tick."""
+        if self.gone:
+            self.gone_set.discard(self.name)
+            self._revive = True
+
+    def replace_session(self, session: DeviceSession) -> None:
+        """A restarted device process: a new session (on the reopened ledger)."""
+        self.session = session
+
+    # -- endpoint ----------------------------------------------------------------------
+
+    def subscriptions(self) -> list[str]:
+        return self.session.subscriptions()
+
+    def on_connect(self, now: float) -> list[Publish]:
+        if self.gone:
+            return []
+        return self._out(self.session.on_connect(now))
+
+    def on_tick(self, now: float) -> list[Publish]:
+        if self.gone:
+            return []
+        if self._revive:
+            self._revive = False
+            out: list[Publish] = []
+            error, model = self._stash_error, self._stash_model
+            self._stash_error = self._stash_model = None
+            if error is not None and self.session.round_id == self._dead_round:
+                out += self.session.on_message(self._down + "error", error, now)
+            if model is not None:
+                out += self.session.on_message(self._model_topic, model, now)
+            if not out:
+                out = self.session.on_connect(now)
+            return self._out(out)
+        return self._out(self.session.on_tick(now))
+
+    def on_message(self, topic: str, payload: bytes, now: float) -> list[Publish]:
+        self.meter.delivered_payload += len(payload)
+        if topic == self._model_topic:
+            if self.gone:
+                self._stash_model = payload
+                return []
+            return self._out(self.session.on_message(topic, payload, now))
+        kind = topic[len(self._down):] if topic.startswith(self._down) else ""
+        round_id, inner = self._peek(kind, payload)
+        if round_id is not None and kind != "error" and round_id <= self._dead_round:
+            return []  # a message of a round this device left
+        if self.gone:
+            if kind == "error" and round_id == self._dead_round:
+                self._stash_error = payload
+            return []
+        if kind == "plan" and self.schedule is not None and round_id is not None:
+            plan = wire.decode(payload)
+            stage = self.schedule.victims(round_id, plan.cohort).get(self.name)  # type: ignore[attr-defined]
+            self._target = None if stage is None else (round_id, stage)
+        if self._target is not None and self._target[0] == round_id \
+                and DROP_STAGES[self._target[1]] == inner:
+            self.vanished[round_id] = self._target[1]
+            self._target = None
+            self._dead_round = round_id
+            self.gone_set.add(self.name)
+            if self.on_vanish is not None:
+                self.on_vanish(self.name)
+            return []
+        return self._out(self.session.on_message(topic, payload, now))
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _peek(self, kind: str, payload: bytes) -> tuple[int | None, str]:
+        """(round id, message kind: plan / a secagg kind / error) of a downlink."""
+        if kind not in ("plan", "secagg", "error"):
+            return None, kind
+        try:
+            msg = wire.decode(payload)
+            round_id = int(msg.round_id)  # type: ignore[attr-defined]
+            if isinstance(msg, wire.SecAggPacket):
+                return round_id, msg.message().KIND
+        except (secagg.RemoteProtocolError, AttributeError):
+            return None, kind  # the session logs and ignores it
+        return round_id, kind
+
+    def _out(self, out: list[Publish]) -> list[Publish]:
+        self.sent.extend(out)
+        return _count(out, True, self.meter)
+
+
+class AggregatorAgent:
+    """The aggregator endpoint around a ``RoundMachine``: counts bytes, drops status
+    messages, and jumps its clock to the stage deadline once only vanished devices are
+    awaited (see the module docstring)."""
+
+    def __init__(self, machine: RoundMachine, *, gone: set[str], meter: Meter,
+                 on_output: Callable[[], None]) -> None:
+        self.machine = machine
+        self.gone_set = gone
+        self.meter = meter
+        self.offset = 0.0  # simulated seconds added to the transport's clock
+        self._on_output = on_output
+
+    def subscriptions(self) -> list[str]:
+        return self.machine.subscriptions()
+
+    def on_connect(self, now: float) -> list[Publish]:
+        return self._out(self.machine.on_connect(now + self.offset), now)
+
+    def on_message(self, topic: str, payload: bytes, now: float) -> list[Publish]:
+        if "/status/" in topic:
+            return []
+        return self._out(self.machine.on_message(topic, payload, now + self.offset), now)
+
+    def on_tick(self, now: float) -> list[Publish]:
+        return self._out(self.machine.on_tick(now + self.offset), now)
+
+    def _out(self, out: list[Publish], now: float) -> list[Publish]:
+        m = self.machine
+        while self.gone_set:
+            waiting = m.waiting_for
+            deadline = m.deadline
+            if not waiting or not waiting <= self.gone_set or deadline is None:
+                break
+            self.offset += max(0.0, deadline - (now + self.offset))
+            out = out + m.on_tick(now + self.offset)
+            if m.deadline == deadline and m.waiting_for == waiting:
+                break  # the machine did not close the stage (e.g. just restored)
+        if out:
+            self._on_output()
+        return _count(out, False, self.meter)
+
+
+@dataclass(slots=True)
+class _RoundRecord:
+    round_id: int
+    cohort: tuple[str, ...]
+    started: float
+    meter_before: dict[str, int]
+
+
+class Fleet:
+    """N devices and an aggregator, ready to run over ``inproc`` or ``mqtt``.
+
+    Args:
+        cfg: the simulation settings (``cfg.transport``, ``cfg.dropout`` and the round
+            policy fields).
+        workdir: where ledgers, the aggregator's checkpoint and the broker's files go.
+        out: progress lines (when ``cfg.progress``).
+    """
+
+    def __init__(self, cfg: SimConfig, workdir: str | Path, *, out: TextIO = sys.stderr,
+                 data: Dataset | None = None, engine: tuple[ModelSpec, Engine] | None = None
+                 ) -> None:
+        t0 = time.perf_counter()
+        cfg.fleet_checks()
+        self.cfg = cfg
+        self.workdir = Path(workdir)
+        self.out = out
+        self.data = load_dataset(cfg.dataset) if data is None else data
+        if engine is None:
+            spec = build_spec(cfg.model, self.data.input_shape, self.data.num_classes)
+            engine = spec, load_engine(
+                manifest_path(spec.name, spec.input_shape, spec.num_classes),
+                backend=cfg.backend, threads=cfg.threads)
+        self.spec, self.engine = engine
+        seeds = np.random.SeedSequence(cfg.seed).spawn(3)
+        part_rng, init_rng, _ = (np.random.default_rng(s) for s in seeds)
+        self.names = device_names(cfg.devices)
+        shards = partition(self.data.y_train, cfg.devices, cfg.partition, part_rng,
+                           num_classes=self.data.num_classes)
+        self.shards = {n: (self.data.x_train[idx], self.data.y_train[idx])
+                       for n, idx in zip(self.names, shards, strict=True)}
+        self.agg_id = secagg.AggregatorIdentity.generate(
+            random_bytes=seeded_bytes(f"fedge-fleet/{cfg.seed}/aggregator-id"))
+        self.ids = {n: secagg.DeviceIdentity.generate(n, random_bytes=seeded_bytes(
+            f"fedge-fleet/{cfg.seed}/id/{n}")) for n in self.names}
+        self.registry = secagg.Registry.of(self.agg_id, list(self.ids.values()))
+        self.budget = Budget(epsilon=cfg.budget_epsilon, delta=cfg.delta)
+        self.policy = RoundPolicy(
+            fleet=FLEET_NAME, cohort_size=cfg.cohort_size, stage_timeout=cfg.stage_timeout,
+            max_rounds=cfg.rounds, steps=cfg.local_steps, batch_size=cfg.batch_size,
+            lr=cfg.lr, sampling=cfg.sampling, clip=cfg.clip,
+            noise_multiplier=cfg.noise_multiplier, sparsity=cfg.sparsity,
+            quant_levels=cfg.quant_levels, value_bound=cfg.value_bound,
+            server_opt=cfg.server_opt, server_lr=cfg.server_lr, seed=cfg.seed)
+        self.initial = init_params(self.spec, init_rng)
+        (self.workdir / "ledgers").mkdir(parents=True, exist_ok=True)
+        self.store = CheckpointStore(self.workdir / "aggregator.ckpt")
+        self.machine = RoundMachine(
+            policy=self.policy, identity=self.agg_id, registry=self.registry,
+            params=self.initial, random_bytes=seeded_bytes(f"fedge-fleet/{cfg.seed}/rounds"),
+            checkpoint=self.store.save, start_gate=self._all_checked_in)
+        self.gone: set[str] = set()
+        self.meter = Meter()
+        self.schedule = DropoutSchedule(cfg.dropout, cfg.seed) if cfg.dropout > 0 else None
+        self.ledgers: dict[str, Ledger] = {}
+        self.agents: dict[str, DeviceAgent] = {}
+        for n in self.names:
+            self.ledgers[n] = Ledger.open(self.ledger_path(n), budget=self.budget,
+                                          device_id=n, create=True)
+            self.agents[n] = DeviceAgent(n, self.new_session(n), fleet=FLEET_NAME,
+                                         schedule=self.schedule, gone=self.gone,
+                                         meter=self.meter)
+        self.aggregator = AggregatorAgent(self.machine, gone=self.gone, meter=self.meter,
+                                          on_output=self._note_start)
+        self.records: dict[int, _RoundRecord] = {}
+        self.outcomes: dict[int, RoundOutcome] = {}
+        self.rows: list[dict[str, Any]] = []
+        self.eps_local = 0.0
+        self.eps_aggregate = 0.0
+        self.setup_seconds = time.perf_counter() - t0
+        self._acc = self._evaluate(self.initial)
+        self._t_run = 0.0
+        self.on_step: Callable[[], None] | None = None  # called between transport steps
+        self.memory: MemoryBroker | None = None  # the inproc transport, while it runs
+        self.loop: Any = None  # the MqttLoop, while the mqtt transport runs
+
+    # -- building ----------------------------------------------------------------------
+
+    def ledger_path(self, name: str) -> Path:
+        return self.workdir / "ledgers" / f"{name}.db"
+
+    def new_session(self, name: str, *, restart: int = 0) -> DeviceSession:
+        """The device's session (``restart`` > 0: a new process, other key material)."""
+        i = self.names.index(name)
+        seed = int(np.random.SeedSequence([self.cfg.seed, 2, i]).generate_state(1)[0])
+        x, y = self.shards[name]
+        return DeviceSession(
+            fleet=FLEET_NAME, identity=self.ids[name], registry=self.registry,
+            ledger=self.ledgers[name], engine=self.engine, spec=self.spec,
+            data=lambda: (x, y), seed=seed,
+            random_bytes=seeded_bytes(f"fedge-fleet/{self.cfg.seed}/dev/{name}/{restart}"))
+
+    def restart_device(self, name: str) -> DeviceSession:
+        """Crash + restart: close and reopen the ledger, a new session in the same agent."""
+        self.ledgers[name].close()
+        self.ledgers[name] = Ledger.open(self.ledger_path(name), budget=self.budget,
+                                         device_id=name)
+        s = self.new_session(name, restart=1)
+        self.agents[name].replace_session(s)
+        return s
+
+    def _all_checked_in(self, checkins: Mapping[str, CheckIn]) -> bool:
+        if len(checkins) < len(self.names):
+            return False
+        v = self.machine.model_version
+        return all(c.model_version == v for c in checkins.values())
+
+    # -- observing ---------------------------------------------------------------------
+
+    def _note_start(self) -> None:
+        plan = self.machine.current_plan
+        if plan is not None and plan.round_id not in self.records:
+            self.records[plan.round_id] = _RoundRecord(
+                round_id=plan.round_id, cohort=plan.cohort, started=time.perf_counter(),
+                meter_before=self.meter.snapshot())
+
+    def _evaluate(self, params: list[np.ndarray]) -> float:
+        from tools.simulate import evaluate
+
+        return evaluate(self.engine, params, self.data.x_test, self.data.y_test,
+                        self.cfg.eval_batch)
+
+    def observe(self) -> bool:
+        """Record rounds that ended, bring their vanished devices back; True when done."""
+        if self.on_step is not None:
+            self.on_step()
+        hist = self.machine.history
+        if hist and hist[-1].round_id not in self.outcomes:
+            for o in hist:
+                if o.round_id not in self.outcomes:
+                    self._record(o)
+            for n in list(self.gone):
+                self.agents[n].revive()
+        return len(self.outcomes) >= self.cfg.rounds
+
+    def _record(self, o: RoundOutcome) -> None:
+        self.outcomes[o.round_id] = o
+        rec = self.records.get(o.round_id)
+        cohort = rec.cohort if rec else ()
+        for n in cohort:
+            spent = self.ledgers[n].spent()
+            self.eps_local = max(self.eps_local, spent.local_epsilon)
+            self.eps_aggregate = max(self.eps_aggregate, spent.aggregate_epsilon)
+        if o.completed:
+            self._acc = self._evaluate(self.machine.params)
+        now = self.meter.snapshot()
+        before = rec.meter_before if rec else {k: 0 for k in now}
+        dropped = {n: a.vanished[o.round_id] for n, a in self.agents.items()
+                   if o.round_id in a.vanished}
+        row = {
+            "round": o.round_id, "completed": o.completed, "detail": o.detail,
+            "cohort": len(cohort), "survivors": len(o.survivors),
+            "dropped": dict(sorted(dropped.items())), "model_version": o.model_version,
+            "accuracy": self._acc,
+            "wall_seconds": time.perf_counter() - rec.started if rec else None,
+            "bytes": {k: now[k] - before[k] for k in now},
+            "epsilon_local": _finite(self.eps_local),
+            "epsilon_aggregate": _finite(self.eps_aggregate),
+            "sum_sha256": None if o.total is None else hashlib.sha256(
+                np.ascontiguousarray(o.total).tobytes()).hexdigest(),
+        }
+        self.rows.append(row)
+        if self.cfg.progress:
+            state = "done  " if o.completed else "FAILED"
+            self.out.write(
+                f"[{self.cfg.transport}] round {o.round_id:>4}/{self.cfg.rounds} {state} "
+                f"survivors {len(o.survivors):>4}/{len(cohort):<4} dropped {len(dropped):>3} "
+                f"acc {self._acc:.4f} eps {self.eps_local:.3f} "
+                f"{time.perf_counter() - self._t_run:7.1f}s"
+                + ("" if o.completed else f"  ({o.detail})") + "\n")
+            self.out.flush()
+
+    # -- running -----------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Run ``cfg.rounds`` rounds over ``cfg.transport``; return the summary."""
+        self._t_run = time.perf_counter()
+        note = ""
+        if self.cfg.transport == "mqtt":
+            note = self._run_mqtt()
+        else:
+            note = self._run_inproc()
+        return self._summary(time.perf_counter() - self._t_run, note)
+
+    def _run_inproc(self) -> str:
+        broker = MemoryBroker()
+        self.memory = broker
+        now = 0.0
+        broker.attach(AGGREGATOR, self.aggregator, now)
+        for n in self.names:
+            broker.attach(n, self.agents[n], now)
+        quiet = 0
+        while True:
+            broker.run(now)
+            if self.observe():
+                return ""
+            before = len(broker.sent)
+            broker.tick(now)
+            if self.observe():
+                return ""
+            if len(broker.sent) == before:
+                # nothing happens: let time pass to the next deadline
+                quiet += 1
+                if quiet > 8:
+                    return (f"stalled after {len(self.outcomes)} rounds: no round could "
+                            "start (too few devices with budget left?)")
+                now += self.policy.stage_timeout
+            else:
+                quiet = 0
+                now += _TICK_S
+
+    def _run_mqtt(self) -> str:
+        from edge_sdk.mqtt import BrokerAddress, ClientConfig, MqttLoop
+        from tools.broker import Broker
+
+        cfg = self.cfg
+        with Broker(devices=self.names, fleet=FLEET_NAME, aggregator=AGGREGATOR,
+                    directory=self.workdir / "broker") as broker:
+            bc = broker.config
+            address = BrokerAddress(host=bc.host, port=bc.port,
+                                    ca_file=str(bc.ca_file) if bc.ca_file else None)
+            with MqttLoop(address, rng=random.Random(cfg.seed)) as loop:
+                self.loop = loop
+                loop.add(ClientConfig(username=AGGREGATOR, password=bc.password(AGGREGATOR),
+                                      max_inflight=100), self.aggregator)
+                if not loop.run(until=lambda: loop.is_ready(AGGREGATOR), timeout=30):
+                    return "the aggregator could not connect to the broker"
+                for n in self.names:
+                    self.agents[n].on_vanish = loop.drop
+                    loop.add(ClientConfig(username=n, password=bc.password(n),
+                                          status_topic=wire.status_topic(FLEET_NAME, n),
+                                          backoff_initial_s=0.05, backoff_max_s=1.0),
+                             self.agents[n])
+                # a round never waits longer than its stages' deadlines; past that it stalled
+                patience = 5 * cfg.stage_timeout + 60.0
+                while True:
+                    seen = len(self.outcomes)
+                    done = loop.run(until=lambda s=seen: self.observe() or len(self.outcomes) > s,
+                                    timeout=patience)
+                    if self.observe():
+                        return ""
+                    if not done:
+                        return (f"stalled after {len(self.outcomes)} rounds: nothing ended "
+                                f"for {patience:.0f} s")
+
+    def _summary(self, wall: float, note: str) -> dict[str, Any]:
+        cfg = self.cfg
+        for led in self.ledgers.values():
+            spent = led.spent()
+            self.eps_local = max(self.eps_local, spent.local_epsilon)
+            self.eps_aggregate = max(self.eps_aggregate, spent.aggregate_epsilon)
+        m = self.meter
+        uploads = sum(len(o.survivors) for o in self.outcomes.values())
+        params = self.machine.params
+        d = sum(p.size for p in params)
+        done = [r for r in self.rows if r["completed"]]
+        return {
+            "transport": cfg.transport,
+            "secagg": True,
+            "final_accuracy": self._acc,
+            "accuracy_per_round": [r["accuracy"] for r in self.rows],
+            "rounds": self.rows,
+            "rounds_completed": len(done),
+            "rounds_failed": len(self.rows) - len(done),
+            "note": note,
+            "model_version": self.machine.model_version,
+            "model_sha256": hashlib.sha256(b"".join(
+                np.ascontiguousarray(p, dtype="<f4").tobytes() for p in params)).hexdigest(),
+            "epsilon": _finite(self.eps_local),
+            "epsilon_aggregate": _finite(self.eps_aggregate),
+            "epsilon_per_round": [r["epsilon_local"] for r in self.rows],
+            "epsilon_note": ("max over devices' ledgers at delta, every reservation counted. "
+                             "local: against anyone who sees a device's upload; aggregate: "
+                             "against whoever sees only the secure sum (valid under the "
+                             "secure-aggregation threshold assumption)"),
+            "paper_epsilon": None,
+            "delta": cfg.delta,
+            "bytes_up_total": m.up_packets,
+            "bytes_up_payload": m.up_payload,
+            "bytes_up_overhead": m.up_packets - m.up_payload,
+            "bytes_up_messages": m.up_messages,
+            "bytes_down_total": m.down_packets,
+            "bytes_down_payload": m.down_payload,
+            "bytes_down_messages": m.down_messages,
+            "bytes_delivered_to_devices": m.delivered_payload,
+            "bytes_up_per_upload": m.up_packets / uploads if uploads else None,
+            "bytes_up_float32_per_upload": 4 * d,
+            "device_rounds": uploads,
+            "num_params": d,
+            "setup_seconds": self.setup_seconds,
+            "wall_seconds": wall,
+            "config": cfg.as_dict(),
+        }
+
+    def check_sums(self) -> None:
+        """Every completed round's integer sum is its survivors' encoded inputs summed
+        mod 2^bits (the devices keep their inputs of the last few rounds)."""
+        mask = np.uint64((1 << self.policy.bits) - 1)
+        for o in self.outcomes.values():
+            if not o.completed or o.total is None:
+                continue
+            want = np.zeros_like(o.total)
+            for n in o.survivors:
+                x = self.agents[n].session.encoded_input(o.round_id)
+                if x is None:
+                    raise AssertionError(f"{n} kept no input of round {o.round_id}")
+                want = want + x
+            if not np.array_equal(o.total, want & mask):
+                raise AssertionError(f"round {o.round_id}: the sum is not the survivors'")
+
+    def close(self) -> None:
+        for led in self.ledgers.values():
+            led.close()
+
+
+def _finite(v: float) -> float | None:
+    return v if math.isfinite(v) else None
+
+
+def simulate_fleet(cfg: SimConfig, *, workdir: str | Path | None = None,
+                   out: TextIO = sys.stderr) -> dict[str, Any]:
+    """Build a :class:`Fleet` and run it; the summary (JSON-able). Without ``workdir`` the
+    ledgers, checkpoint and broker files live in a temporary directory."""
+    if workdir is not None:
+        fleet = Fleet(cfg, workdir, out=out)
+        try:
+            return fleet.run()
+        finally:
+            fleet.close()
+    with tempfile.TemporaryDirectory(prefix="fedge-fleet-") as tmp:
+        fleet = Fleet(cfg, tmp, out=out)
+        try:
+            return fleet.run()
+        finally:
+            fleet.close()

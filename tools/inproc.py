@@ -1,0 +1,107 @@
+"""An in-process MQTT-like broker for sans-I/O endpoints (the in-memory transport).
+
+:class:`MemoryBroker` drives endpoints through the same four methods ``edge_sdk.mqtt``'s
+``MqttLoop`` uses (``subscriptions``, ``on_connect``, ``on_message``, ``on_tick``), with MQTT
+topic-filter matching and retained messages, so what passes here runs over mosquitto too.
+It is deterministic: FIFO delivery, one thread, time is whatever ``now`` the caller passes.
+The protocol tests (tests/test_session_rounds.py) and the fleet simulator
+(``tools.fleet``, ``--transport inproc``) use it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from edge_sdk.wire import Publish
+
+__all__ = ["MemoryBroker", "topic_matches"]
+
+
+def topic_matches(pattern: str, topic: str) -> bool:
+    """MQTT topic-filter matching (``+`` one level, ``#`` the rest, also zero levels)."""
+    p, t = pattern.split("/"), topic.split("/")
+    for i, part in enumerate(p):
+        if part == "#":
+            return True
+        if i >= len(t) or (part != "+" and part != t[i]):
+            return False
+    return len(p) == len(t)
+
+
+class MemoryBroker:
+    """A small in-process pub/sub: FIFO delivery, QoS 1 as exactly-once, retained messages.
+
+    ``drop(name, topic, payload)`` may veto a delivery (the endpoint vanished); ``after``
+    is called after each endpoint call and may swap endpoints (crash + restore). ``sent``
+    records every publish as (sender, topic, payload).
+    """
+
+    def __init__(self) -> None:
+        self.endpoints: dict[str, Any] = {}
+        self.subs: list[tuple[str, str]] = []
+        self.retained: dict[str, bytes] = {}
+        self.queue: deque[tuple[str, str, bytes]] = deque()
+        self.drop: Callable[[str, str, bytes], bool] = lambda name, topic, payload: False
+        self.after: Callable[[str], bool] = lambda name: False
+        self.sent: list[tuple[str, str, bytes]] = []  # (sender, topic, payload)
+        self._routes: dict[str, list[tuple[str, str]]] = {}  # topic -> matching subs
+
+    def attach(self, name: str, endpoint: Any, now: float) -> None:
+        """Connect ``endpoint`` as client ``name``: subscribe, retained messages, on_connect."""
+        self.endpoints[name] = endpoint
+        filters = endpoint.subscriptions()
+        self.subs += [(f, name) for f in filters]
+        self._routes.clear()
+        for topic, payload in list(self.retained.items()):
+            if any(topic_matches(f, topic) for f in filters):
+                self._call(name, lambda e, t=topic, p=payload: e.on_message(t, p, now))
+        if getattr(endpoint, "on_connect", None) is not None:
+            self._call(name, lambda e: e.on_connect(now))
+
+    def detach(self, name: str) -> None:
+        """Disconnect client ``name`` (nothing more is delivered to it)."""
+        self.endpoints.pop(name, None)
+        self.subs = [(f, n) for f, n in self.subs if n != name]
+        self._routes.clear()
+
+    def publish(self, sender: str, message: Publish) -> None:
+        """Queue ``message`` as if client ``sender`` had published it."""
+        self._enqueue(sender, [message])
+
+    def _call(self, name: str, fn: Callable[[Any], list[Publish]]) -> None:
+        out = fn(self.endpoints[name])
+        if self.after(name):  # the endpoint crashed before its output left
+            return
+        self._enqueue(name, out)
+
+    def _enqueue(self, name: str, out: list[Publish]) -> None:
+        for p in out:
+            if not (isinstance(p, Publish) and isinstance(p.payload, bytes)):
+                raise TypeError(f"endpoints must return wire.Publish with bytes, got {p!r}")
+            self.sent.append((name, p.topic, p.payload))
+            if p.retain:
+                self.retained[p.topic] = p.payload
+            self.queue.append((name, p.topic, p.payload))
+
+    def run(self, now: float) -> None:
+        """Deliver until nothing is queued (endpoints' answers included)."""
+        while self.queue:
+            _, topic, payload = self.queue.popleft()
+            route = self._routes.get(topic)
+            if route is None:
+                route = self._routes[topic] = [(f, n) for f, n in self.subs
+                                               if topic_matches(f, topic)]
+            for _, name in route:
+                if name in self.endpoints:
+                    if self.drop(name, topic, payload):
+                        continue
+                    self._call(name, lambda e, t=topic, p=payload: e.on_message(t, p, now))
+
+    def tick(self, now: float) -> None:
+        """Every endpoint's ``on_tick(now)``, then deliver."""
+        for name in list(self.endpoints):
+            if name in self.endpoints:
+                self._call(name, lambda e: e.on_tick(now))
+        self.run(now)
