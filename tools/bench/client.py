@@ -100,19 +100,35 @@ def run_client_bench(
 ) -> list[dict[str, Any]]:
     """Run the fedge-vs-Opacus client-step benchmark; print a table; return the rows.
 
-    Each row: model, batch, threads, median samples/s of each side (over ``reps`` fresh
-    processes), their ratio, and the peak RSS (MiB) of each side's process.
+    Each row: model, batch, threads, median (and min, max) samples/s of each side over
+    ``reps`` fresh processes, their ratio, the peak RSS (MiB) of each side's process, and
+    the FLOP floor: the step's matmul FLOPs per sample (forward + backward,
+    :func:`tools.bench.floors.step_flops`) over this machine's sgemm rate at that thread
+    count (numpy float32 matmul, best of 7), and fedge's fraction of it.
     """
+    from edge_sdk.model import build_spec
+    from tools.bench.floors import sgemm_gflops, step_flops
+
     models = models or list(MODELS)
     batches = batches or ([32, 64] if quick else [10, 32, 64])
     threads = threads or ([1] if quick else [1, 2])
-    reps = reps or (3 if quick else 5)
-    print(f"# client DP-SGD step, fedge vs Opacus; {machine()}", file=out)
+    reps = reps or (2 if quick else 5)
+    sgemm = {t: sgemm_gflops(t) for t in threads}
+    print(f"# client DP-SGD step (clip C=1, noise z=1), fedge vs Opacus (reference), "
+          f"samples/s median (min-max) of {reps} fresh processes each, interleaved; peak "
+          f"RSS = max ru_maxrss; FLOP floor = matmul FLOPs per sample (forward + backward) "
+          f"over numpy float32 sgemm at that thread count ("
+          + ", ".join(f"{t} thread(s): {g['gflops']:.1f} GFLOP/s best, "
+                      f"{g['gflops_median']:.1f} median" for t, g in sgemm.items())
+          + f"); {machine()}", file=out)
     print("| model | batch | threads | fedge samples/s | opacus samples/s | ratio "
-          "| fedge RSS MiB | opacus RSS MiB | RSS ratio |", file=out)
-    print("|---|---|---|---|---|---|---|---|---|", file=out)
+          "| fedge RSS MiB | opacus RSS MiB | RSS ratio | MFLOP/sample | FLOP floor samples/s "
+          "| fedge % of floor |", file=out)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|", file=out)
     rows = []
     for arch in models:
+        shape, classes = MODELS[arch]
+        flops = step_flops(build_spec(arch, shape, classes))
         steps = 40 if arch == "cnn" else 200
         for b in batches:
             for t in threads:
@@ -122,6 +138,7 @@ def run_client_bench(
                         res[impl].append(_run_child(impl, arch, b, t, steps))
                 f = [r["samples_per_s"] for r in res["fedge"]]
                 o = [r["samples_per_s"] for r in res["opacus"]]
+                floor = sgemm[t]["gflops"] * 1e9 / flops
                 row = {
                     "model": arch, "batch": b, "threads": t,
                     "fedge_samples_per_s": statistics.median(f),
@@ -130,13 +147,17 @@ def run_client_bench(
                     "opacus_samples_per_s_min": min(o), "opacus_samples_per_s_max": max(o),
                     "fedge_peak_rss_mib": max(r["peak_rss_mib"] for r in res["fedge"]),
                     "opacus_peak_rss_mib": max(r["peak_rss_mib"] for r in res["opacus"]),
-                    "reps": reps,
+                    "reps": reps, "flops_per_sample": flops,
+                    "sgemm_gflops": sgemm[t]["gflops"], "flop_floor_samples_per_s": floor,
                 }
                 row["speed_ratio"] = row["fedge_samples_per_s"] / row["opacus_samples_per_s"]
                 row["rss_ratio"] = row["fedge_peak_rss_mib"] / row["opacus_peak_rss_mib"]
+                row["fedge_fraction_of_floor"] = row["fedge_samples_per_s"] / floor
                 rows.append(row)
                 print(f"| {arch} | {b} | {t} | {row['fedge_samples_per_s']:.0f} "
-                      f"| {row['opacus_samples_per_s']:.0f} | {row['speed_ratio']:.2f}x "
+                      f"({min(f):.0f}-{max(f):.0f}) | {row['opacus_samples_per_s']:.0f} "
+                      f"({min(o):.0f}-{max(o):.0f}) | {row['speed_ratio']:.2f}x "
                       f"| {row['fedge_peak_rss_mib']:.0f} | {row['opacus_peak_rss_mib']:.0f} "
-                      f"| {row['rss_ratio']:.2f} |", file=out, flush=True)
+                      f"| {row['rss_ratio']:.2f} | {flops / 1e6:.3f} | {floor:.0f} "
+                      f"| {100 * row['fedge_fraction_of_floor']:.1f}% |", file=out, flush=True)
     return rows

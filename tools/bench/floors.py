@@ -1,0 +1,102 @@
+"""Physical floors the benchmarks are set beside: matmul FLOPs, sgemm rate, memory bandwidth.
+
+* :func:`step_flops` counts the multiply-adds of one sample's forward and backward pass
+  through a zoo model (conv and linear layers only: pooling, ReLU, the loss, clipping and
+  the noise are not counted), as 2 FLOPs each. The backward pass is the weight gradient
+  (as many multiply-adds as the forward) plus the input gradient of every layer but the
+  first. Per-sample weight gradients, which DP-SGD needs, cost no more multiply-adds than
+  the batch's summed gradient; they only cost memory traffic.
+* :func:`sgemm_gflops` is this machine's float32 matmul rate at a given thread count,
+  measured with numpy (its bundled BLAS) in a fresh process whose thread pools are set
+  before numpy loads. The best of several timings is the rate: the floor is the best the
+  machine can do.
+* :func:`add_seconds` is the time of one in-place uint64 vector addition of d words (the
+  aggregator's running sum of masked inputs): memory bandwidth at that size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from edge_sdk.model import Conv2d, Linear, MaxPool2d, ModelSpec
+
+__all__ = ["add_seconds", "sgemm_gflops", "step_flops"]
+
+
+def step_flops(spec: ModelSpec) -> int:
+    """Matmul FLOPs of one sample's forward + backward pass (see the module docstring)."""
+    shape = tuple(spec.input_shape)
+    total_macs = 0
+    first = True
+    for layer in spec.layers:
+        if isinstance(layer, Linear):
+            macs = layer.in_features * layer.out_features
+            shape = (layer.out_features,)
+        elif isinstance(layer, Conv2d):
+            k = layer.kernel
+            h, w = shape[1] - k + 1, shape[2] - k + 1
+            macs = h * w * layer.out_channels * layer.in_channels * k * k
+            shape = (layer.out_channels, h, w)
+        elif isinstance(layer, MaxPool2d):
+            shape = (shape[0], shape[1] // 2, shape[2] // 2)
+            continue
+        else:  # ReLU keeps the shape; Flatten's shape does not matter to the count
+            continue
+        # forward + weight gradient, + input gradient except for the first layer
+        total_macs += macs * (2 if first else 3)
+        first = False
+    return 2 * total_macs
+
+
+_SGEMM_CHILD = r'''
+import json, sys, time
+import numpy as np
+n, reps = int(sys.argv[1]), int(sys.argv[2])
+rng = np.random.default_rng(0)
+a = rng.standard_normal((n, n), dtype=np.float32)
+b = rng.standard_normal((n, n), dtype=np.float32)
+c = np.empty((n, n), dtype=np.float32)
+np.matmul(a, b, out=c)
+rates = []
+for _ in range(reps):
+    t = time.perf_counter()
+    np.matmul(a, b, out=c)
+    rates.append(2 * n ** 3 / (time.perf_counter() - t) / 1e9)
+print(json.dumps(rates))
+'''
+
+
+def sgemm_gflops(threads: int = 1, *, n: int = 1024, reps: int = 7) -> dict[str, Any]:
+    """float32 n x n x n matmul rate (GFLOP/s) in a fresh process at ``threads`` threads.
+
+    Returns ``{"gflops": best, "gflops_median": ..., "gflops_min": ..., "n", "threads",
+    "reps"}``.
+    """
+    t = str(threads)
+    env = dict(os.environ, OMP_NUM_THREADS=t, OPENBLAS_NUM_THREADS=t, MKL_NUM_THREADS=t)
+    out = subprocess.run([sys.executable, "-c", _SGEMM_CHILD, str(n), str(reps)], check=True,
+                         capture_output=True, text=True, env=env)
+    rates = sorted(json.loads(out.stdout.strip().splitlines()[-1]))
+    return {"gflops": rates[-1], "gflops_median": rates[len(rates) // 2],
+            "gflops_min": rates[0], "n": n, "threads": threads, "reps": reps}
+
+
+def add_seconds(dim: int, *, reps: int = 20) -> float:
+    """Best time of ``np.add(acc, x, out=acc)`` on two uint64 vectors of ``dim`` words."""
+    rng = np.random.default_rng(0)
+    acc = rng.integers(0, 1 << 32, size=dim, dtype=np.uint64)
+    x = rng.integers(0, 1 << 32, size=dim, dtype=np.uint64)
+    np.add(acc, x, out=acc)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        np.add(acc, x, out=acc)
+        best = min(best, time.perf_counter() - t)
+    return best

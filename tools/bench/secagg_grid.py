@@ -1,0 +1,154 @@
+"""Benchmark 3: secure aggregation across cohort sizes and dimensions, beside its floors.
+
+Each configuration is one ``run_secagg_bench`` round (:mod:`tools.bench.secagg`: a complete
+SecAgg+ round in memory, exactness checked) in a fresh process, so its peak RSS is its own
+and a configuration that does not fit ends alone. The process gets ``RLIMIT_AS`` =
+``mem_cap_gib`` and a wall-clock limit; what exceeds either is reported as not completed,
+with the limit, and every larger d at the same (n, graph) is then skipped (it cannot be
+cheaper), never estimated.
+
+Floors beside the measured times:
+
+* client masking and server unmasking: the ChaCha20 PRG expansion of the same number of
+  masks into one buffer (``prg_bound_s``, ``server_prg_bound_s`` from the round itself);
+* the aggregator's running sum of the uploads (``server_collect_s``, which also verifies
+  signatures and unpacks): survivors x one in-place uint64 addition of d words
+  (:func:`tools.bench.floors.add_seconds`, memory bandwidth), measured in this process.
+
+The grid: n in {100, 1000}, d in {1e4, 1e5, 1e6}, dropouts 0 and 10 %, SecAgg+ degree
+``2 ceil(log2 n)``, and the same for the O(n^2) full graph. ``--quick`` (under 10 minutes
+for ``fedge bench all --quick`` on a shared 2-core machine): d in {1e4, 1e5}; no dropouts
+only for SecAgg+ at n = 100; the full graph only at n = 100.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from typing import Any, TextIO
+
+from tools.bench.client import REPO
+from tools.bench.floors import add_seconds
+
+__all__ = ["grid", "run_secagg_grid"]
+
+_CHILD = r'''
+import json, resource, sys
+from tools.bench.secagg import run_secagg_bench
+n, d, drop = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+full, reps = sys.argv[4] == "1", int(sys.argv[5])
+r = run_secagg_bench(n, d, drop, None, full, reps=reps, out=None)
+r["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps(r))
+'''
+
+
+def grid(quick: bool) -> list[tuple[int, int, float, bool]]:
+    """(n, d, dropout, full_graph) in the order they run (cheapest first per (n, graph))."""
+    dims = (10_000, 100_000) if quick else (10_000, 100_000, 1_000_000)
+    cells = []
+    for full in (False, True):
+        for n in (100, 1000):
+            if full and quick and n > 100:
+                continue
+            for d in dims:
+                for drop in (0.0, 0.1):
+                    # --quick: without dropouts only at n = 100 (time on a shared machine)
+                    if not (quick and drop == 0.0 and (full or n > 100)):
+                        cells.append((n, d, drop, full))
+    return cells
+
+
+def _run_one(n: int, d: int, drop: float, full: bool, *, reps: int, timeout_s: float,
+             mem_cap_gib: float) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               OPENBLAS_NUM_THREADS="1")
+    cap = int(mem_cap_gib * 2**30)
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(n), str(d), repr(drop), "1" if full else "0",
+             str(reps)], capture_output=True, text=True, env=env, cwd=REPO,
+            timeout=timeout_s, preexec_fn=limit)
+    except subprocess.TimeoutExpired:
+        return {"not_run": f"did not finish within {timeout_s:.0f} s on this machine"}
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+        why = ("did not fit in memory" if "MemoryError" in proc.stderr
+               or proc.returncode in (-9, 137) else "failed")
+        return {"not_run": f"{why} (RLIMIT_AS {mem_cap_gib:g} GiB, "
+                           f"{time.perf_counter() - t0:.0f} s): {tail[0][:160]}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_secagg_grid(*, quick: bool = False, cells: list[tuple[int, int, float, bool]] | None = None,
+                    reps: int | None = None, timeout_s: float | None = None,
+                    mem_cap_gib: float = 16.0, out: TextIO = sys.stdout) -> list[dict[str, Any]]:
+    """Run every cell of the grid; print one table; return one row per cell.
+
+    A row is ``run_secagg_bench``'s result plus ``peak_rss_mib``, ``sum_floor_s`` and
+    ``collect_over_floor``, or ``{clients, dim, dropout, full_graph, not_run: reason}``.
+    """
+    default_grid = cells is None
+    cells = grid(quick) if cells is None else cells
+    reps = reps or (2 if quick else 3)
+    timeout_s = timeout_s or (300.0 if quick else 1800.0)
+    add_floor: dict[int, float] = {}
+    print(f"# secure aggregation, one full round per configuration in a fresh process "
+          f"(RLIMIT_AS {mem_cap_gib:g} GiB, limit {timeout_s:.0f} s), 32-bit ring; "
+          f"client masking and its PRG floor: best of {reps}; server times: the round's "
+          "single run. Ratio = time / floor"
+          + ("; --quick leaves d = 1e6, the full graph at n = 1000, and the 0 % dropout "
+             "rows at n = 1000 and for the full graph, to the full run"
+             if quick and default_grid else "")
+          + ". Floors and times are best-of timings on a shared machine: a ratio below 1 "
+          "means other load slowed the floor's own timing", file=out)
+    print("| n | d | dropout | graph (k) | exact | client mask s | PRG floor s | ratio "
+          "| server unmask s | PRG floor s | ratio | Shamir s | collect s | sum floor s "
+          "| ratio | B up/client | vector B | overhead | round s | peak RSS MiB |", file=out)
+    print("|" + "---|" * 20, file=out, flush=True)
+    rows: list[dict[str, Any]] = []
+    given_up: dict[tuple[int, bool], str] = {}
+    for n, d, drop, full in cells:
+        graph = "full" if full else "SecAgg+"
+        if (n, full) in given_up:
+            row = {"clients": n, "dim": d, "dropout": drop, "full_graph": full,
+                   "not_run": f"skipped: {given_up[(n, full)]}"}
+        else:
+            row = _run_one(n, d, drop, full, reps=reps, timeout_s=timeout_s,
+                           mem_cap_gib=mem_cap_gib)
+            row.update(clients=n, dim=d, dropout=drop, full_graph=full)
+            if "not_run" in row:
+                given_up[(n, full)] = f"n={n} {graph} at d={d:g} {row['not_run']}"
+        if "not_run" in row:
+            print(f"| {n} | {d:g} | {drop:.0%} | {graph} | not run: {row['not_run']} "
+                  + "| " * 15 + "|", file=out, flush=True)
+            rows.append(row)
+            continue
+        if d not in add_floor:
+            add_floor[d] = add_seconds(d)
+        row["sum_floor_s"] = row["survivors"] * add_floor[d]
+        row["collect_over_floor"] = row["server_collect_s"] / row["sum_floor_s"]
+        rows.append(row)
+
+        def f(v: float | None, spec: str = ".4f") -> str:
+            return "-" if v is None else f"{v:{spec}}"
+
+        print(f"| {n} | {d:g} | {drop:.0%} | {graph} ({row['degree']}) | {row['exact']} "
+              f"| {f(row['client_mask_s'])} | {f(row['prg_bound_s'])} "
+              f"| {f(row['client_mask_over_bound'], '.2f')}x | {f(row['server_unmask_s'])} "
+              f"| {f(row['server_prg_bound_s'])} | {f(row['server_unmask_over_bound'], '.2f')}x "
+              f"| {f(row['server_shamir_s'])} | {f(row['server_collect_s'], '.3f')} "
+              f"| {f(row['sum_floor_s'])} | {row['collect_over_floor']:.0f}x "
+              f"| {row['bytes_up_per_client']} | {row['bytes_vector']} "
+              f"| {row['bytes_up_per_client'] / row['bytes_vector']:.3f} | {row['run_s']:.1f} "
+              f"| {row['peak_rss_mib']:.0f} |", file=out, flush=True)
+    return rows
