@@ -75,10 +75,17 @@ TARGETS: tuple[Target, ...] = (
            key="rss_ratio", op="<=", bound=0.25),
     Target(issue=8, what="installed size: device stack / torch + Opacus", section="stacks",
            key="size_ratio", op="<=", bound=0.2),
-    Target(issue=3, what="accountant: RDP speedup over dp_accounting RDP",
-           section="accountant", key="rdp_speedup", op=">=", bound=10.0),
-    Target(issue=3, what="accountant: PLD speedup over dp_accounting PLD (no slower)",
-           section="accountant", key="pld_speedup", op=">=", bound=1.0),
+    # Issue 3 states both for 70,000 steps; the PLD comparison is "at equal or better
+    # accuracy", so fedge runs on a grid 0.9x dp_accounting's (its epsilon is then at or
+    # below dp_accounting's). fedge's automatic grid is finer still and slower: it is in
+    # the table, not a target.
+    Target(issue=3, what="accountant, 70,000 steps: RDP speedup over dp_accounting RDP",
+           section="accountant", where={"steps": 70_000},
+           key="rdp_speedup", op=">=", bound=10.0),
+    Target(issue=3, what="accountant, 70,000 steps: PLD speedup over dp_accounting PLD at "
+                         "equal or better accuracy (no slower)",
+           section="accountant", where={"steps": 70_000},
+           key="pld_tighter_grid_speedup", op=">=", bound=1.0),
     Target(issue=5, what="secagg n=1000 d=1e5 10% dropouts: client masking / PRG floor",
            section="secagg",
            where={"clients": 1000, "dim": 100_000, "dropout": 0.1, "full_graph": False},
