@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tools.datasets import DatasetMissing, load_dataset, read_idx
+from tools.datasets import DatasetMissing, load_dataset, load_train_subset, read_idx
 from tools.partition import parse_scheme, partition
 
 
@@ -97,3 +97,19 @@ def test_het2_on_fashion_mnist() -> None:
     shards = partition(y, 100, "het:2", np.random.default_rng(0))
     assert all(len(np.unique(y[s])) == 2 for s in shards)
     assert sum(len(s) for s in shards) == 60000
+
+
+@pytest.mark.parametrize("name", ["fashion-mnist", "digits"])
+def test_train_subset_equals_indexing_the_whole_set(name: str) -> None:
+    ds = load_dataset(name)
+    pick = lambda y: np.flatnonzero(y == 3)[:50]  # noqa: E731
+    x, y = load_train_subset(name, pick)
+    idx = pick(ds.y_train)
+    np.testing.assert_array_equal(x, ds.x_train[idx])
+    np.testing.assert_array_equal(y, ds.y_train[idx])
+    assert x.dtype == np.float32 and y.dtype == np.int64
+
+
+def test_train_subset_missing_fashion_mnist_names_the_package(tmp_path) -> None:
+    with pytest.raises(DatasetMissing, match="dataset-fashion-mnist"):
+        load_train_subset("fashion-mnist", lambda y: y[:1], root=tmp_path)

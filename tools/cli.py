@@ -380,16 +380,15 @@ def _device(args: argparse.Namespace) -> int:
     import numpy as np
 
     from edge_sdk.device import Device, DeviceConfig
-    from tools.datasets import load_dataset
+    from tools.datasets import load_train_subset
     from tools.partition import partition
 
     config = DeviceConfig.from_toml(args.config)
     if not 0 <= args.shard < args.shards:
         raise ValueError(f"--shard must be in [0, --shards={args.shards}), got {args.shard}")
-    ds = load_dataset(args.dataset)
-    idx = partition(ds.y_train, args.shards, args.partition,
-                    np.random.default_rng(args.partition_seed))[args.shard]
-    x, y = ds.x_train[idx], ds.y_train[idx]
+    x, y = load_train_subset(args.dataset, lambda labels: partition(
+        labels, args.shards, args.partition, np.random.default_rng(args.partition_seed)
+    )[args.shard])
     audit = Path(args.audit) if args.audit else None
     if audit is not None:
         audit.mkdir(parents=True, exist_ok=True)

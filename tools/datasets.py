@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import gzip
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,11 +67,20 @@ def _readonly(*arrays: np.ndarray) -> None:
         a.flags.writeable = False
 
 
+def _standardise(raw: np.ndarray) -> np.ndarray:
+    """Fashion-MNIST uint8 images [N, 28, 28] -> standardised float32 [N, 1, 28, 28]."""
+    x = (raw.astype(np.float32) / 255.0 - _FMNIST_MEAN) / _FMNIST_STD
+    return np.ascontiguousarray(x[:, None, :, :])
+
+
+_FMNIST_FILES = {
+    "xtr": "train-images-idx3-ubyte.gz", "ytr": "train-labels-idx1-ubyte.gz",
+    "xte": "t10k-images-idx3-ubyte.gz", "yte": "t10k-labels-idx1-ubyte.gz",
+}
+
+
 def _fashion_mnist(root: Path) -> Dataset:
-    files = {
-        "xtr": "train-images-idx3-ubyte.gz", "ytr": "train-labels-idx1-ubyte.gz",
-        "xte": "t10k-images-idx3-ubyte.gz", "yte": "t10k-labels-idx1-ubyte.gz",
-    }
+    files = _FMNIST_FILES
     missing = [n for n in files.values() if not (root / n).exists()]
     if missing:
         raise DatasetMissing(
@@ -79,9 +89,7 @@ def _fashion_mnist(root: Path) -> Dataset:
         )
 
     def images(name: str) -> np.ndarray:
-        raw = read_idx(root / name, 2051)
-        x = (raw.astype(np.float32) / 255.0 - _FMNIST_MEAN) / _FMNIST_STD
-        return np.ascontiguousarray(x[:, None, :, :])
+        return _standardise(read_idx(root / name, 2051))
 
     def labels(name: str) -> np.ndarray:
         return read_idx(root / name, 2049).astype(np.int64)
@@ -122,6 +130,38 @@ def _load(name: str, root: str) -> Dataset:
     ds = _fashion_mnist(Path(root)) if name == "fashion-mnist" else _sklearn(name)
     _readonly(ds.x_train, ds.y_train, ds.x_test, ds.y_test)
     return ds
+
+
+def load_train_subset(name: str, select: Callable[[np.ndarray], np.ndarray], *,
+                      root: str | Path | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """One device's share of a training set, without holding the whole set as floats.
+
+    A device agent needs only its shard: for Fashion-MNIST the labels are read first,
+    ``select(labels)`` picks the indices, and only those images are converted to float32
+    (the whole standardised training set alone is 179 MiB, a third of a Pi-class
+    device's memory budget).
+
+    Args:
+        name: one of :data:`DATASETS`.
+        select: labels [N] (int64) -> indices of the samples to keep.
+        root: directory of the Fashion-MNIST IDX files (default: the Debian package's).
+
+    Returns:
+        (x, y) of the selected training samples, as :func:`load_dataset` would give them.
+    """
+    if name != "fashion-mnist":
+        ds = load_dataset(name, root=root)
+        idx = select(ds.y_train)
+        return ds.x_train[idx], ds.y_train[idx]
+    base = Path(root) if root is not None else FASHION_MNIST_DIR
+    if not (base / _FMNIST_FILES["ytr"]).exists():
+        load_dataset(name, root=root)  # raises DatasetMissing naming the package
+    y = read_idx(base / _FMNIST_FILES["ytr"], 2049).astype(np.int64)
+    idx = select(y)
+    raw = read_idx(base / _FMNIST_FILES["xtr"], 2051)
+    if len(raw) != len(y):
+        raise ValueError(f"{base}: image and label counts differ")
+    return _standardise(raw[idx]), y[idx]
 
 
 def load_dataset(name: str, *, root: str | Path | None = None) -> Dataset:
