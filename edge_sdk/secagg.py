@@ -121,7 +121,6 @@ import enum
 import functools
 import hashlib
 import math
-import numbers
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -144,6 +143,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import (
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from edge_sdk._validate import check_int as _check_int
 
 __all__ = [
     "AMORTIZED_PAIR_INFO",
@@ -270,16 +271,6 @@ class RoundFailed(SecAggError):
 
 
 # --------------------------------------------------------------------------- checks
-
-
-def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    v = int(value)
-    if v < lo or (hi is not None and v > hi):
-        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {bound}, got {v}")
-    return v
 
 
 def _check_bytes(name: str, value: object, size: int) -> bytes:
