@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -45,6 +46,7 @@ from edge_sdk.engine import load_engine
 from edge_sdk.ledger import Ledger
 from edge_sdk.mqtt import BrokerAddress, ClientConfig, MqttLoop
 from edge_sdk.session import DeviceSession
+from edge_sdk.wire import Publish
 from models import ONNX_DIR
 from tools.broker import Broker
 from tools.datasets import load_dataset
@@ -71,6 +73,9 @@ class Proc:
     def __init__(self, args: list[str], log: Path) -> None:
         self.args = args
         self.lines: list[dict[str, Any]] = []
+        # wait_line searches from just after its last match, not from the end of `lines`:
+        # one drain can bring the awaited line and the next one together.
+        self.cursor = 0
         self._q: queue.Queue[dict[str, Any]] = queue.Queue()
         self._err = open(log, "ab")  # noqa: SIM115 (closed in wait/kill)
         self.p = subprocess.Popen([sys.executable, "-m", "tools.cli", *args], cwd=REPO,
@@ -205,21 +210,22 @@ class ServiceFleet:
 
     def wait_line(self, proc: Proc, pred: Callable[[dict[str, Any]], bool], timeout: float,
                   what: str) -> dict[str, Any]:
-        start = len(proc.lines)
-        found: list[dict[str, Any]] = []
+        start = proc.cursor
+        found: list[int] = []
 
         def cond() -> bool:
             dead = proc.p.poll() is not None
             if dead:
                 proc.drain()
-            found[:] = [e for e in proc.lines[start:] if pred(e)][:1]
+            found[:] = [i for i in range(start, len(proc.lines)) if pred(proc.lines[i])][:1]
             if not found and dead:
                 raise AssertionError(f"{proc.args[0]} exited {proc.p.returncode} before "
                                      f"{what}; see {self.tmp}/*.err; {proc.lines[-5:]}")
             return bool(found)
 
         pump_until(self.loop, cond, timeout, self.procs, what)
-        return found[0]
+        proc.cursor = found[0] + 1
+        return proc.lines[found[0]]
 
     def machine(self) -> RoundMachine:
         """The aggregator's state from its checkpoint (after it stopped)."""
@@ -264,12 +270,88 @@ class ServiceFleet:
         self.broker.stop()
 
 
+class Freezer:
+    """A device session that stops answering once it receives a chosen message (kept, not
+    lost) until unfrozen: it holds the aggregator in a stage for as long as the test needs,
+    so a SIGKILL lands in that stage and not in the next one."""
+
+    def __init__(self, session: DeviceSession) -> None:
+        self.s = session
+        self.freeze_on: Callable[[str, bytes], bool] | None = None
+        self.frozen = False
+        self.held: list[tuple[str, bytes]] = []
+
+    def subscriptions(self) -> list[str]:
+        return self.s.subscriptions()
+
+    def on_connect(self, now: float) -> list[Publish]:
+        return self.s.on_connect(now)
+
+    def on_message(self, topic: str, payload: bytes, now: float) -> list[Publish]:
+        if self.frozen or (self.freeze_on is not None and self.freeze_on(topic, payload)):
+            self.frozen = True
+            self.held.append((topic, payload))
+            return []
+        return self.s.on_message(topic, payload, now)
+
+    def on_tick(self, now: float) -> list[Publish]:
+        if self.frozen:
+            return []
+        out: list[Publish] = []
+        while self.held:
+            out += self.s.on_message(*self.held.pop(0), now)
+        return out + self.s.on_tick(now)
+
+
+def _secagg_kind(topic: str, payload: bytes) -> str | None:
+    if not topic.endswith("/down/secagg"):
+        return None
+    return msgpack.unpackb(msgpack.unpackb(payload)["data"])["kind"]
+
+
+# The message each stage of a round sends the devices: frozen on it, they cannot answer
+# and the aggregator stays in that stage.
+STAGE_TRIGGERS: dict[str, Callable[[str, bytes], bool]] = {
+    "collect_keys": lambda t, p: t.endswith("/down/plan"),
+    "collect_shares": lambda t, p: _secagg_kind(t, p) == "neighbour_keys",
+    "collect_masked": lambda t, p: _secagg_kind(t, p) == "forwarded_shares",
+    "collect_unmask": lambda t, p: _secagg_kind(t, p) == "unmask_request",
+    "idle": lambda t, p: t == wire.model_topic(FLEET),
+}
+
+
+class FrozenFleet(ServiceFleet):
+    def wrap(self, name: str, session: DeviceSession) -> Any:
+        self.freezers = getattr(self, "freezers", {})
+        self.freezers[name] = Freezer(session)
+        return self.freezers[name]
+
+    def freeze_on(self, stage: str | None) -> None:
+        for fz in self.freezers.values():
+            fz.freeze_on = None if stage is None else STAGE_TRIGGERS[stage]
+            fz.frozen = False  # held messages are replayed on the next tick
+
+
 @pytest.fixture
 def make_fleet(tmp_path: Path, digits: Any, engine: Any):
     made: list[ServiceFleet] = []
 
     def make(**kw: Any) -> ServiceFleet:
         f = ServiceFleet(tmp_path, digits, engine, **kw)
+        made.append(f)
+        return f
+
+    yield make
+    for f in made:
+        f.close()
+
+
+@pytest.fixture
+def make_frozen_fleet(tmp_path: Path, digits: Any, engine: Any):
+    made: list[FrozenFleet] = []
+
+    def make(**kw: Any) -> FrozenFleet:
+        f = FrozenFleet(tmp_path, digits, engine, **kw)
         made.append(f)
         return f
 
@@ -331,13 +413,16 @@ def test_enroll_cli(tmp_path: Path) -> None:
 
 
 def test_aggregator_sigkilled_at_every_stage_and_a_device_killed_mid_round(
-        make_fleet: Callable[..., ServiceFleet]) -> None:
+        make_frozen_fleet: Callable[..., FrozenFleet]) -> None:
     """SIGKILL the aggregator right after it enters each stage of round 1 (and after the
     round ends), restart it with the same config each time; then SIGKILL the device
     process right after its round-2 upload and restart it. Three rounds complete; every
     sum counts each survivor once; no ledger holds two reservations for a round and the
     device process uploaded at most once per round across both of its lives."""
-    f = make_fleet(devices=6, in_process=5, policy={**POLICY, "max_rounds": 3})
+    # in-process devices freeze on each stage's message so every kill lands in its stage;
+    # the long stage timeout keeps a slow restart from dropping the frozen devices
+    f = make_frozen_fleet(devices=6, in_process=5,
+                          policy={**POLICY, "max_rounds": 3, "stage_timeout": 30.0})
     dev = f.names[5]
     device = f.start_device(dev)
     f.wait_line(device, lambda e: e["event"] == "connected", 60, "the device process")
@@ -346,6 +431,7 @@ def test_aggregator_sigkilled_at_every_stage_and_a_device_killed_mid_round(
     kills = []
     for target in [(1, "collect_keys"), (1, "collect_shares"), (1, "collect_masked"),
                    (1, "collect_unmask"), (1, "idle")]:
+        f.freeze_on(target[1])
         f.wait_line(agg, lambda e, t=target: e["event"] == "stage"
                     and (e["round"], e["stage"]) == t, 60, f"stage {target}")
         agg.signal(signal.SIGKILL)
@@ -354,6 +440,7 @@ def test_aggregator_sigkilled_at_every_stage_and_a_device_killed_mid_round(
         agg = f.start_aggregator("--exit-when-done")
         start = f.wait_line(agg, lambda e: e["event"] == "start", 30, "restart")
         assert start["resumed"] is True and start["stage"] == target[1], (target, start)
+    f.freeze_on(None)
     up = f.wait_line(device, lambda e: e["event"] == "uploaded" and e["round"] >= 2, 60,
                      "the device's round-2 upload")
     device.signal(signal.SIGKILL)
