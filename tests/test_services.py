@@ -336,22 +336,8 @@ class FrozenFleet(ServiceFleet):
 def make_fleet(tmp_path: Path, digits: Any, engine: Any):
     made: list[ServiceFleet] = []
 
-    def make(**kw: Any) -> ServiceFleet:
-        f = ServiceFleet(tmp_path, digits, engine, **kw)
-        made.append(f)
-        return f
-
-    yield make
-    for f in made:
-        f.close()
-
-
-@pytest.fixture
-def make_frozen_fleet(tmp_path: Path, digits: Any, engine: Any):
-    made: list[FrozenFleet] = []
-
-    def make(**kw: Any) -> FrozenFleet:
-        f = FrozenFleet(tmp_path, digits, engine, **kw)
+    def make(cls: type[ServiceFleet] = ServiceFleet, **kw: Any) -> Any:
+        f = cls(tmp_path, digits, engine, **kw)
         made.append(f)
         return f
 
@@ -413,7 +399,7 @@ def test_enroll_cli(tmp_path: Path) -> None:
 
 
 def test_aggregator_sigkilled_at_every_stage_and_a_device_killed_mid_round(
-        make_frozen_fleet: Callable[..., FrozenFleet]) -> None:
+        make_fleet: Callable[..., Any]) -> None:
     """SIGKILL the aggregator right after it enters each stage of round 1 (and after the
     round ends), restart it with the same config each time; then SIGKILL the device
     process right after its round-2 upload and restart it. Three rounds complete; every
@@ -421,8 +407,8 @@ def test_aggregator_sigkilled_at_every_stage_and_a_device_killed_mid_round(
     device process uploaded at most once per round across both of its lives."""
     # in-process devices freeze on each stage's message so every kill lands in its stage;
     # the long stage timeout keeps a slow restart from dropping the frozen devices
-    f = make_frozen_fleet(devices=6, in_process=5,
-                          policy={**POLICY, "max_rounds": 3, "stage_timeout": 30.0})
+    f = make_fleet(FrozenFleet, devices=6, in_process=5,
+                   policy={**POLICY, "max_rounds": 3, "stage_timeout": 30.0})
     dev = f.names[5]
     device = f.start_device(dev)
     f.wait_line(device, lambda e: e["event"] == "connected", 60, "the device process")
