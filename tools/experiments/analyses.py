@@ -102,6 +102,21 @@ def _is_quick(vdir: Path) -> bool:
     return vdir.name.startswith("quick")
 
 
+def _finish(fig: Any, ax: Any, path: Path, *, xlabel: str, ylabel: str,
+            log_x: bool = False) -> Path:
+    """Label, grid, legend and save a one-axes figure as the report's plots all are."""
+    if log_x:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path
+
+
 def _curves_plot(groups: dict[str, list[dict[str, Any]]], path: Path, title: str,
                  key: str = "accuracy_per_round", ylabel: str = "test accuracy") -> Path:
     plt = _plt()
@@ -109,15 +124,8 @@ def _curves_plot(groups: dict[str, list[dict[str, Any]]], path: Path, title: str
     for label, runs in groups.items():
         y = _curve(runs, key)
         ax.plot(np.arange(1, len(y) + 1), y, label=label, lw=1.4)
-    ax.set_xlabel("communication round")
-    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, xlabel="communication round", ylabel=ylabel)
 
 
 # ------------------------------------------------------------------ Fed-SPA Table 1
@@ -340,15 +348,9 @@ def zcdp_secagg(exp: Any, records: list[dict[str, Any]], vdir: Path, docdir: Pat
         ys = [100 * float(np.mean(pts[x])) for x in xs]
         ax.plot(xs, ys, marker="o", label=name)
         table.append(f"| {name} | " + " | ".join(f"{y:.2f}" for y in ys) + " |")
-    ax.set_xscale("log")
-    ax.set_xlabel("epsilon (paper bound, delta = 1e-4)")
-    ax.set_ylabel("final test accuracy (%)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = vdir / "accuracy-vs-eps.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path = _finish(fig, ax, vdir / "accuracy-vs-eps.png", log_x=True,
+                   xlabel="epsilon (paper bound, delta = 1e-4)",
+                   ylabel="final test accuracy (%)")
     out = [*table, "", _img(path, docdir, "accuracy vs epsilon"), ""]
     if not _is_quick(vdir):
         for model in ("logreg", "mlp"):
@@ -516,13 +518,7 @@ def fedspa_fig1(exp: Any, records: list[dict[str, Any]], vdir: Path, docdir: Pat
     for p, pts in sorted(series.items()):
         xs = sorted(pts)
         ax.plot(xs, [100 * float(np.mean(pts[x])) for x in xs], marker="o", label=f"p={p:g}")
-    ax.set_xscale("log")
-    ax.set_xlabel("epsilon (Fed-SPA Thm. 1 formula, delta = 1e-3)")
-    ax.set_ylabel("best test accuracy (%)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = vdir / "accuracy-vs-eps.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path = _finish(fig, ax, vdir / "accuracy-vs-eps.png", log_x=True,
+                   xlabel="epsilon (Fed-SPA Thm. 1 formula, delta = 1e-3)",
+                   ylabel="best test accuracy (%)")
     return _img(path, docdir, "Fed-SPA accuracy vs epsilon")
