@@ -119,6 +119,45 @@ def test_runs_are_stored_and_a_rerun_skips_them(tiny, tmp_path: Path) -> None:
     assert "| private | 1.0 |" in text
 
 
+def test_workers_share_the_runs_and_a_claimed_run_is_left_alone(tiny, tmp_path: Path) -> None:
+    import fcntl
+    import io
+    import os
+
+    ran_by = tmp_path / "ran_by"
+    ran_by.mkdir()
+
+    def recording(cfg: SimConfig, *, out) -> dict:
+        # one file per (run, process): a run executed twice would leave two
+        (ran_by / f"{cfg.local_steps}-{cfg.seed}-{cfg.clip}-{os.getpid()}").touch()
+        return simulate(cfg, out=out)
+
+    specs = expand_runs(tiny)
+    root = tmp_path / "res"
+    vdir = root / "tiny" / "full"
+    # another process holds the claim on the first run: neither worker may start it
+    (vdir / ".locks").mkdir(parents=True)
+    fd = os.open(vdir / ".locks" / specs[0].key, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with (tmp_path / "log.txt").open("w") as out:
+            run_experiment(tiny, root=root, out=out, simulate_fn=recording, jobs=2)
+    finally:
+        os.close(fd)
+    stored = {r["key"] for r in load_records(vdir)}
+    assert stored == {s.key for s in specs[1:]}
+    runs = sorted(p.name for p in ran_by.iterdir())
+    assert len(runs) == len(specs) - 1  # each unclaimed run exactly once
+    assert "(running elsewhere, skipped)" in (tmp_path / "log.txt").read_text()
+    with pytest.raises(ValueError, match="jobs must be >= 1"):
+        run_experiment(tiny, root=root, jobs=0)
+    # the claim released: a rerun finishes the last run only
+    before = len(runs)
+    run_experiment(tiny, root=root, out=io.StringIO(), simulate_fn=recording)
+    assert len(list(ran_by.iterdir())) == before + 1
+    assert {r["key"] for r in load_records(vdir)} == {s.key for s in specs}
+
+
 def test_pld_calibration_meets_the_target_for_the_busiest_device(tiny) -> None:
     spec = expand_runs(tiny)[0]
     facts = calibrate(spec.settings, {"calibrate": "pld", "epsilon": 2.0})

@@ -296,6 +296,9 @@ def _add_experiment(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a simulator setting for every run (a separate variant)")
     r.add_argument("--no-report", action="store_true", help="do not regenerate the report")
+    r.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="worker processes, one core each (default 1); a second invocation "
+                        "of the same experiment also shares the work")
     esub.add_parser("report", help="regenerate docs/results.md and its plots from stored runs")
 
 
@@ -316,7 +319,7 @@ def _experiment(args: argparse.Namespace) -> int:
         overrides = parse_overrides(args.set)
         exps = list_experiments() if args.name == "all" else [load_experiment(args.name)]
         for exp in exps:
-            run_experiment(exp, quick=args.quick, overrides=overrides)
+            run_experiment(exp, quick=args.quick, overrides=overrides, jobs=args.jobs)
         if args.no_report:
             return 0
     print(write_report())

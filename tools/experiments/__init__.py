@@ -24,13 +24,16 @@ are used only to reproduce a paper's noise; every run also reports our RDP epsil
 
 Resumable: each finished (config, seed) run is written, atomically, to
 ``<root>/<name>/<variant>/runs/<key>.json`` as it completes (key: hash of the exact
-settings); a rerun skips the runs whose file exists. ``variant`` is ``full`` or ``quick``,
+settings); a rerun skips the runs whose file exists, and concurrent workers (``--jobs``)
+claim runs with a per-run advisory lock. ``variant`` is ``full`` or ``quick``,
 with ``+key=value`` appended for ``--set`` overrides.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import itertools
 import json
@@ -40,7 +43,7 @@ import shlex
 import sys
 import time
 import tomllib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -361,21 +364,27 @@ def _command(exp: Experiment, quick: bool, overrides: dict[str, Any]) -> str:
 def run_experiment(exp: Experiment, *, quick: bool = False,
                    overrides: dict[str, Any] | None = None, root: Path = RESULTS_DIR,
                    out: TextIO = sys.stderr, simulate_fn: Callable[..., dict] | None = None,
-                   ) -> Path:
+                   jobs: int = 1) -> Path:
     """Run every missing (config, seed) of ``exp``; return the variant's directory.
 
     Each finished run is stored before the next starts, so a killed run resumes where it
-    stopped. ``simulate_fn`` is injectable for tests (default: tools.simulate.simulate).
+    stopped. ``jobs`` > 1 runs that many worker processes (one core each: the simulator
+    is single-threaded); workers, and separate invocations of the same experiment, claim
+    runs with an advisory lock per run, so none is run twice and a killed worker's claim
+    ends with it. ``simulate_fn`` is injectable for tests (default: tools.simulate.simulate).
     """
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs!r}")
     overrides = dict(overrides or {})
     variant = _variant(quick, overrides)
     vdir = root / exp.name / variant
     started = time.time()
     t0 = time.perf_counter()
     meta_path = vdir / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    meta.update(command=_command(exp, quick, overrides), quick=quick, overrides=overrides)
-    _write_atomic(meta_path, meta)  # a variant still running is reported with its command
+    with _locked(vdir / ".locks" / "meta"):
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        meta.update(command=_command(exp, quick, overrides), quick=quick, overrides=overrides)
+        _write_atomic(meta_path, meta)  # a variant still running is reported with its command
     if exp.kind == "compute":
         from tools.experiments import analyses
 
@@ -383,18 +392,88 @@ def run_experiment(exp: Experiment, *, quick: bool = False,
         _write_atomic(vdir / "results.json", data)
         ran, skipped = 1, 0
     else:
-        from tools.simulate import SimConfig
-
-        if simulate_fn is None:
-            from tools.simulate import simulate as simulate_fn
         specs = expand_runs(exp, quick=quick, overrides=overrides)
-        ran = skipped = 0
         seen: set[str] = set()
         specs = [s for s in specs if not (s.key in seen or seen.add(s.key))]  # shared points
-        for i, spec in enumerate(specs, 1):
-            path = vdir / "runs" / f"{spec.key}.json"
-            head = f"[{i}/{len(specs)}] {exp.name} {variant}: {spec.label} seed={spec.seed}"
-            if path.exists():
+        if jobs == 1:
+            ran, skipped = _run_specs(exp, specs, vdir, variant, out, simulate_fn, "")
+        else:
+            import multiprocessing
+
+            # fork: workers inherit simulate_fn and the loaded modules (Linux, as the fleet)
+            # (Process, not Pool: nothing is pickled, so an injected simulate_fn may be local)
+            ctx = multiprocessing.get_context("fork")
+            done = ctx.SimpleQueue()
+
+            def work(w: int) -> None:
+                done.put(_run_specs(exp, specs, vdir, variant, out, simulate_fn, f"w{w} ")[0])
+
+            procs = [ctx.Process(target=work, args=(w,)) for w in range(jobs)]
+            for proc in procs:
+                proc.start()
+            for proc in procs:
+                proc.join()
+            failed = [w for w, proc in enumerate(procs) if proc.exitcode != 0]
+            ran = sum(done.get() for _ in range(jobs - len(failed)))
+            if failed:
+                raise RuntimeError(f"experiment workers {failed} failed (exit codes "
+                                   f"{[procs[w].exitcode for w in failed]}); the runs they "
+                                   "finished are stored, rerun to resume")
+            skipped = len(specs) - ran
+    elapsed = time.perf_counter() - t0
+    with _locked(vdir / ".locks" / "meta"):
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        meta.update(command=_command(exp, quick, overrides), quick=quick, overrides=overrides,
+                    variant=variant)
+        meta["last_invocation"] = {"started_unix": started, "ran": ran, "skipped": skipped,
+                                   "elapsed_s": elapsed, "jobs": jobs}
+        if ran:
+            # concurrent invocations each add their own wall time (the report sums the
+            # runs' own wall times instead)
+            meta["wall_s_total"] = meta.get("wall_s_total", 0.0) + elapsed
+        meta["cpu"] = f"{os.cpu_count()} logical cores (shared), nice 10 where run by hand"
+        _write_atomic(meta_path, meta)
+    print(f"{exp.name} {variant}: {ran} run(s) done, {skipped} skipped or done elsewhere, "
+          f"{elapsed:.1f} s", file=out, flush=True)
+    return vdir
+
+
+@contextlib.contextmanager
+def _locked(path: Path, *, blocking: bool = True) -> Iterator[bool]:
+    """Hold an advisory lock on ``path`` (created); yield whether it was acquired.
+
+    The kernel drops the lock when its holder dies, so a killed run leaves no stale claim.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _run_specs(exp: Experiment, specs: list[RunSpec], vdir: Path, variant: str,
+               out: TextIO, simulate_fn: Callable[..., dict] | None,
+               tag: str) -> tuple[int, int]:
+    """Run each spec not yet stored and not claimed by another process; (ran, skipped)."""
+    from tools.simulate import SimConfig
+
+    if simulate_fn is None:
+        from tools.simulate import simulate as simulate_fn
+    ran = skipped = 0
+    for i, spec in enumerate(specs, 1):
+        path = vdir / "runs" / f"{spec.key}.json"
+        head = f"{tag}[{i}/{len(specs)}] {exp.name} {variant}: {spec.label} seed={spec.seed}"
+        with _locked(vdir / ".locks" / spec.key, blocking=False) as mine:
+            if not mine:
+                print(f"{head} (running elsewhere, skipped)", file=out, flush=True)
+                continue
+            if path.exists():  # checked under the claim: another worker may just have finished
                 skipped += 1
                 print(f"{head} (done, skipped)", file=out, flush=True)
                 continue
@@ -408,17 +487,7 @@ def run_experiment(exp: Experiment, *, quick: bool = False,
                                  "meta": _jsonable(spec.meta), "noise": _jsonable(noise),
                                  "settings": _jsonable(spec.settings), "summary": summary})
             ran += 1
-    elapsed = time.perf_counter() - t0
-    meta["variant"] = variant
-    meta["last_invocation"] = {"started_unix": started, "ran": ran, "skipped": skipped,
-                               "elapsed_s": elapsed}
-    if ran:
-        meta["wall_s_total"] = meta.get("wall_s_total", 0.0) + elapsed
-    meta["cpu"] = f"{os.cpu_count()} logical cores (shared), nice 10 where run by hand"
-    _write_atomic(meta_path, meta)
-    print(f"{exp.name} {variant}: {ran} run(s) done, {skipped} skipped, {elapsed:.1f} s",
-          file=out, flush=True)
-    return vdir
+    return ran, skipped
 
 
 def load_records(vdir: Path) -> list[dict[str, Any]]:
