@@ -91,3 +91,31 @@ def test_cli_rejects_bad_flags(capsys, argv: list[str], message: str) -> None:
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert message in captured.err and captured.out == ""
+
+
+def test_grid_estimates_cells_from_the_measured_ones() -> None:
+    from tools.bench.secagg_grid import estimate
+
+    rows = [{"clients": 100, "dim": 10_000, "full_graph": True, "run_s": 8.0},
+            {"clients": 100, "dim": 100_000, "full_graph": True, "run_s": 11.0},
+            {"clients": 100, "dim": 100_000, "full_graph": False, "run_s": 2.0}]
+    t, basis = estimate(100, 1_000_000, True, rows)
+    assert t == pytest.approx(11.0 + 3.0 / 90_000 * 900_000) and "linear in d" in basis
+    t, basis = estimate(1000, 10_000, True, rows)  # full graph: pairwise work n (n - 1)
+    assert t == pytest.approx(8.0 * 1000 * 999 / (100 * 99)) and "n=100" in basis
+    assert estimate(1000, 10_000, False, rows) is None  # no SecAgg+ row at d = 1e4
+
+
+def test_grid_does_not_start_a_cell_predicted_over_budget() -> None:
+    from tools.bench.secagg_grid import run_secagg_grid
+
+    out = io.StringIO()
+    rows = run_secagg_grid(cells=[(20, 1000, 0.0, False), (20_000, 1000, 0.0, False)],
+                           reps=1, cell_budget_s=30.0, out=out)
+    assert rows[0]["exact"] is True
+    # n = 20,000 is predicted from n = 20 by the pairwise work n * k (x 3000): not started
+    assert rows[1]["estimated_run_s"] == pytest.approx(
+        rows[0]["run_s"] * 20_000 * 30 / (20 * 10), rel=0.01)
+    assert rows[1]["not_run"].startswith("estimated ") and "exact" not in rows[1]
+    assert "fedge bench secagg --clients 20000 --dim 1000 --dropout 0`" in rows[1]["not_run"]
+    assert "not run: estimated" in out.getvalue()

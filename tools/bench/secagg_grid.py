@@ -5,7 +5,14 @@ SecAgg+ round in memory, exactness checked) in a fresh process, so its peak RSS 
 and a configuration that does not fit ends alone. The process gets ``RLIMIT_AS`` =
 ``mem_cap_gib`` and a wall-clock limit; what exceeds either is reported as not completed,
 with the limit, and every larger d at the same (n, graph) is then skipped (it cannot be
-cheaper), never estimated.
+cheaper).
+
+A cell whose *predicted* round time or peak RSS is over the per-cell budget
+(``cell_budget_s``: 300 s with ``--quick``, 600 s otherwise) or the memory cap is not
+started; its row says ``not run: estimated ...`` with the prediction and what it rests on
+(:func:`estimate`: linear in d through the measured cells of the same n and graph, else the
+same d at a smaller n scaled by the pairwise work n * k), and the command that measures it.
+An estimate is never reported as a measurement.
 
 Floors beside the measured times:
 
@@ -31,10 +38,11 @@ import sys
 import time
 from typing import Any, TextIO
 
+from edge_sdk.secagg import default_degree
 from tools.bench.client import REPO
 from tools.bench.floors import add_seconds
 
-__all__ = ["grid", "run_secagg_grid"]
+__all__ = ["estimate", "grid", "run_secagg_grid"]
 
 _CHILD = r'''
 import json, resource, sys
@@ -61,6 +69,42 @@ def grid(quick: bool) -> list[tuple[int, int, float, bool]]:
                     if not (quick and drop == 0.0 and (full or n > 100)):
                         cells.append((n, d, drop, full))
     return cells
+
+
+def estimate(n: int, d: int, full: bool, measured: list[dict[str, Any]],
+             key: str = "run_s") -> tuple[float, str] | None:
+    """Predict ``key`` (``run_s`` or ``peak_rss_mib``) of cell (n, d, graph) from measured rows.
+
+    Same n and graph at smaller d: linear in d through the two largest measured d (one
+    point: proportional to d, which overstates when fixed costs dominate). Else the same d
+    at the largest smaller n of that graph, scaled by the pairwise work n * k (k = n - 1 for
+    the full graph, SecAgg+'s ``default_degree`` otherwise), the part that grows fastest.
+    Rows of either dropout count; at each d the larger value is used. None: no basis.
+    """
+    def k(m: int) -> int:
+        return m - 1 if full else default_degree(m)
+
+    by_d: dict[int, float] = {}
+    for r in measured:
+        if r.get("clients") == n and r.get("full_graph") == full and key in r:
+            by_d[r["dim"]] = max(by_d.get(r["dim"], 0.0), float(r[key]))
+    pts = sorted((dd, v) for dd, v in by_d.items() if dd < d)
+    graph = "full graph" if full else "SecAgg+"
+    if len(pts) >= 2:
+        (d1, v1), (d2, v2) = pts[-2:]
+        slope = max(0.0, (v2 - v1) / (d2 - d1))
+        return v2 + slope * (d - d2), f"linear in d through n={n} {graph} d={d1:g}, {d2:g}"
+    if len(pts) == 1:
+        d1, v1 = pts[0]
+        return v1 * d / d1, f"proportional to d from n={n} {graph} d={d1:g}"
+    smaller = [r for r in measured if r.get("full_graph") == full and r.get("dim") == d
+               and key in r and r.get("clients", n) < n]
+    if smaller:
+        n0 = max(r["clients"] for r in smaller)
+        v0 = max(float(r[key]) for r in smaller if r["clients"] == n0)
+        return (v0 * (n * k(n)) / (n0 * k(n0)),
+                f"n={n0} {graph} d={d:g} scaled by the pairwise work n*k")
+    return None
 
 
 def _run_one(n: int, d: int, drop: float, full: bool, *, reps: int, timeout_s: float,
@@ -91,16 +135,21 @@ def _run_one(n: int, d: int, drop: float, full: bool, *, reps: int, timeout_s: f
 
 def run_secagg_grid(*, quick: bool = False, cells: list[tuple[int, int, float, bool]] | None = None,
                     reps: int | None = None, timeout_s: float | None = None,
-                    mem_cap_gib: float = 16.0, out: TextIO = sys.stdout) -> list[dict[str, Any]]:
+                    cell_budget_s: float | None = None, mem_cap_gib: float = 16.0,
+                    out: TextIO = sys.stdout) -> list[dict[str, Any]]:
     """Run every cell of the grid; print one table; return one row per cell.
 
     A row is ``run_secagg_bench``'s result plus ``peak_rss_mib``, ``sum_floor_s`` and
-    ``collect_over_floor``, or ``{clients, dim, dropout, full_graph, not_run: reason}``.
+    ``collect_over_floor``, or ``{clients, dim, dropout, full_graph, not_run: reason}``
+    (with ``estimated_run_s`` / ``estimated_peak_rss_mib`` where a prediction over the
+    budget kept the cell from starting). ``timeout_s`` (default 300 / 1800 s) stops a
+    started cell; ``cell_budget_s`` (default 300 / 600 s) keeps one from starting.
     """
     default_grid = cells is None
     cells = grid(quick) if cells is None else cells
     reps = reps or (2 if quick else 3)
     timeout_s = timeout_s or (300.0 if quick else 1800.0)
+    cell_budget_s = cell_budget_s or (300.0 if quick else 600.0)
     add_floor: dict[int, float] = {}
     print(f"# secure aggregation, one full round per configuration in a fresh process "
           f"(RLIMIT_AS {mem_cap_gib:g} GiB, limit {timeout_s:.0f} s), 32-bit ring; "
@@ -109,6 +158,8 @@ def run_secagg_grid(*, quick: bool = False, cells: list[tuple[int, int, float, b
           + ("; --quick leaves d = 1e6, the full graph at n = 1000, and the 0 % dropout "
              "rows at n = 1000 and for the full graph, to the full run"
              if quick and default_grid else "")
+          + f". Cells predicted to take over {cell_budget_s:.0f} s or {mem_cap_gib:g} GiB are "
+          "not started: their rows give the estimate and its basis"
           + ". Floors and times are best-of timings on a shared machine: a ratio below 1 "
           "means other load slowed the floor's own timing", file=out)
     print("| n | d | dropout | graph (k) | exact | client mask s | PRG floor s | ratio "
@@ -119,9 +170,24 @@ def run_secagg_grid(*, quick: bool = False, cells: list[tuple[int, int, float, b
     given_up: dict[tuple[int, bool], str] = {}
     for n, d, drop, full in cells:
         graph = "full" if full else "SecAgg+"
+        measured = [r for r in rows if "not_run" not in r]
+        t_est = estimate(n, d, full, measured)
+        m_est = estimate(n, d, full, measured, key="peak_rss_mib")
         if (n, full) in given_up:
             row = {"clients": n, "dim": d, "dropout": drop, "full_graph": full,
                    "not_run": f"skipped: {given_up[(n, full)]}"}
+        elif ((t_est and t_est[0] > cell_budget_s)
+              or (m_est and m_est[0] > mem_cap_gib * 1024)):
+            flag = " --full-graph" if full else ""
+            why = [f"{t_est[0]:.0f} s ({t_est[1]})"] if t_est else []
+            why += [f"peak RSS {m_est[0]:.0f} MiB ({m_est[1]})"] if m_est else []
+            row = {"clients": n, "dim": d, "dropout": drop, "full_graph": full,
+                   "estimated_run_s": t_est and round(t_est[0], 1),
+                   "estimated_peak_rss_mib": m_est and round(m_est[0]),
+                   "not_run": f"estimated {'; '.join(why)}, over the per-cell budget of "
+                              f"{cell_budget_s:.0f} s / {mem_cap_gib:g} GiB; measure it with "
+                              f"`fedge bench secagg --clients {n} --dim {d} --dropout {drop:g}"
+                              f"{flag}`"}
         else:
             row = _run_one(n, d, drop, full, reps=reps, timeout_s=timeout_s,
                            mem_cap_gib=mem_cap_gib)
