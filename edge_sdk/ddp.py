@@ -24,6 +24,12 @@ wraps mod 2^64, a multiple of 2^bits, so numpy uint64 addition is enough). The s
 sum is decoded exactly unless it wraps; :func:`choose_bits` picks the ring so that the
 probability of a wrap is below a target.
 
+Sample-level form (:func:`round_rows`, used by the simulator's ``ddg`` mechanism): each
+record's contribution is clipped and conditionally rounded on its own and a device sums
+the integer rows, so one record moves the device's vector by at most the rounded bound;
+no rotation (coordinates are then bounded only by that norm: :func:`choose_bits_bounded`
+sizes the ring for it).
+
 The privacy of the released sum is :func:`event`, a
 :class:`~edge_sdk.privacy.discrete.DistributedDiscreteGaussian` or
 :class:`~edge_sdk.privacy.discrete.DistributedSkellam` with sensitivities on the integer
@@ -69,11 +75,14 @@ from edge_sdk.privacy.discrete import DistributedDiscreteGaussian, DistributedSk
 __all__ = [
     "MAX_BITS",
     "ROTATION_INFO",
+    "DEFAULT_BETA",
     "ConditionalRoundingFailed",
     "DistributedDP",
     "NoiseKind",
     "centered_residue",
+    "bounded_wrap_probability",
     "choose_bits",
+    "choose_bits_bounded",
     "conditional_round",
     "decode_sum",
     "discrete_gaussian_variance",
@@ -83,6 +92,7 @@ __all__ = [
     "padded_dim",
     "rotate",
     "rotation_signs",
+    "round_rows",
     "rounded_l2_bound",
     "rounding_bias_bound",
     "sample_discrete_gaussian",
@@ -99,6 +109,9 @@ ROTATION_INFO = b"fedge/ddp/rotation/v1"
 
 MAX_BITS = 62
 """Largest ring exponent: centered residues and their sums stay well inside int64."""
+
+DEFAULT_BETA = math.exp(-0.5)
+"""Conditional rounding's beta in KLS 2021's experiments (each try passes w.p. >= 1 - beta)."""
 
 MIN_SEED_BYTES = 16
 _TWO64 = 1 << 64
@@ -187,7 +200,7 @@ class DistributedDP:
     bits: int
     sigma: float | None = None
     mu: float | None = None
-    beta: float = math.exp(-0.5)
+    beta: float = DEFAULT_BETA
     max_rounding_tries: int = 100
 
     def __post_init__(self) -> None:
@@ -424,6 +437,52 @@ def conditional_round(
         f"{tries} rounding tries (row norms before rounding up to "
         f"{float(np.linalg.norm(rows[pending], axis=1).max())!r}); clip before rounding"
     )
+
+
+def round_rows(
+    rows: np.ndarray,
+    clip: float,
+    gamma: float,
+    rng: np.random.Generator,
+    *,
+    beta: float = DEFAULT_BETA,
+    max_tries: int = 100,
+) -> np.ndarray:
+    """Per-record integer encoding: clip each row to L2 ``clip``, scale by 1/gamma, round.
+
+    The record-level form of steps 1, 3 and 4 of the module docstring, for sample-level
+    distributed DP: each row (one record's contribution, e.g. a per-sample gradient) is
+    clipped to ``clip`` (model units), divided by ``gamma`` and conditionally rounded
+    (:func:`conditional_round`) to L2 norm <= :func:`rounded_l2_bound` (clip / gamma, d,
+    beta). A device's integer vector is the sum of its rows' encodings, so adding or
+    removing one record moves it by one row, of L2 norm at most that bound: the
+    sensitivity to account. No rotation: it would only flatten coordinates (fewer bits),
+    and the privacy argument needs only the enforced norm bound.
+
+    Args:
+        rows: real array (rows, d), model units.
+        clip: C, the L2 bound per row, model units (> 0).
+        gamma: granularity, model units per integer step (> 0); clip / gamma <= 2^30.
+        rng: randomness of the rounding (fresh per row and per try).
+        beta: conditional rounding parameter in [0, 1).
+        max_tries: attempts per row (>= 1).
+
+    Returns:
+        int64 array (rows, d), every row of L2 norm <= rounded_l2_bound(clip/gamma, d, beta).
+
+    Raises:
+        ValueError: bad arguments or non-finite rows.
+        ConditionalRoundingFailed: see :func:`conditional_round`.
+    """
+    a = _float_rows("rows", rows)
+    if a.ndim != 2:
+        raise ValueError(f"rows must be 2-D (rows, d), got shape {a.shape}")
+    c = _check_pos("clip", clip)
+    g = _check_pos("gamma", gamma)
+    if c / g > 2**30:
+        raise ValueError(f"clip / gamma must be <= 2^30, got {c / g!r}")
+    bound = rounded_l2_bound(c / g, a.shape[1], beta)
+    return conditional_round(_clip_rows(a, c) / g, bound, rng, max_tries=max_tries)
 
 
 # ------------------------------------------------------------------ exact sampling (CKS)
@@ -919,6 +978,90 @@ def choose_bits(
                     f"or lower sigma"
                 )
             return max(b, 2)
+    raise ValueError(  # pragma: no cover - only for absurd inputs (sums beyond 2^1024)
+        f"no ring of up to 1024 bits keeps the wrap probability <= {p}"
+    )
+
+
+def bounded_wrap_probability(
+    max_abs_signal: float,
+    devices: int,
+    dim: int,
+    sigma: float,
+    bits: int,
+    *,
+    noise: NoiseKind = "discrete_gaussian",
+) -> float:
+    """Wrap probability bound when every coordinate of the summed signal is bounded.
+
+    For unrotated sums (e.g. per-record encodings, :func:`round_rows`): coordinate j of
+    the integer sum is S_j + N_j with |S_j| <= ``max_abs_signal`` (rounding included, a
+    deterministic bound: a rounded row of L2 norm <= D2 has every |coordinate| <= D2) and
+    N_j the sum of the ``devices`` noise shares. Centered decoding is exact when
+    |S_j + N_j| < 2^(bits-1), which holds unless |N_j| >= 2^(bits-1) - max_abs_signal; a
+    union bound over the ``dim`` coordinates, with the noise tails of
+    :func:`wrap_probability_bound`.
+
+    Args:
+        max_abs_signal: bound on |S_j|, integer scale (>= 0).
+        devices: noise shares in the sum (>= 1).
+        dim: coordinates (>= 1), not padded.
+        sigma: per-device noise std on the integer scale (sigma, or sqrt(2 mu)) (>= 0).
+        bits: ring exponent (>= 1).
+        noise: which noise the devices add.
+
+    Returns:
+        The bound, in [0, 1].
+    """
+    s = _check_pos("max_abs_signal", max_abs_signal, allow_zero=True)
+    n = _check_int("devices", devices, 1)
+    d = _check_int("dim", dim, 1)
+    sigma = _check_pos("sigma", sigma, allow_zero=True)
+    b = _check_int("bits", bits, 1)
+    if noise not in ("discrete_gaussian", "skellam"):
+        raise ValueError(f"noise must be 'discrete_gaussian' or 'skellam', got {noise!r}")
+    a = 2.0 ** (b - 1) - s
+    if a <= 0:
+        return 1.0
+    return min(1.0, d * _tail(a, 0.0, n, sigma, noise))
+
+
+def choose_bits_bounded(
+    max_abs_signal: float,
+    devices: int,
+    dim: int,
+    sigma: float,
+    wrap_probability: float,
+    *,
+    noise: NoiseKind = "discrete_gaussian",
+) -> int:
+    """The smallest ring exponent whose :func:`bounded_wrap_probability` is <= the target.
+
+    Args:
+        max_abs_signal: bound on every coordinate of the summed signal, integer scale.
+        devices: noise shares in the sum.
+        dim: coordinates.
+        sigma: per-device noise std, integer scale.
+        wrap_probability: target in (0, 1).
+        noise: which noise the devices add.
+
+    Returns:
+        b, 2 <= b <= 62.
+
+    Raises:
+        ValueError: bad arguments, or more than 62 bits needed (the message says how many).
+    """
+    p = wrap_probability
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p < 1:
+        raise ValueError(f"wrap_probability must be in (0, 1), got {p!r}")
+    for b in range(2, 1025):
+        if bounded_wrap_probability(max_abs_signal, devices, dim, sigma, b, noise=noise) <= p:
+            if b > MAX_BITS:
+                raise ValueError(
+                    f"wrap probability <= {p} needs {b} bits > {MAX_BITS} for max_abs_signal="
+                    f"{max_abs_signal}, devices={devices}, sigma={sigma}; raise gamma"
+                )
+            return b
     raise ValueError(  # pragma: no cover - only for absurd inputs (sums beyond 2^1024)
         f"no ring of up to 1024 bits keeps the wrap probability <= {p}"
     )

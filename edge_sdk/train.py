@@ -38,7 +38,10 @@ __all__ = [
     "TrainingDiverged",
     "dp_sgd_step",
     "BinomialResult",
+    "DdgResult",
+    "sample_grad_rows",
     "local_round",
+    "local_round_ddg",
     "local_round_binomial",
     "local_round_update_noise",
     "coordinate_masks",
@@ -390,3 +393,121 @@ def local_round_binomial(
     event = CpsgdBinomial(trials=trials, grid=grid, dim=int(ints.size), update_clip=s_bound,
                           sample_rate=n_sub / len(y))
     return BinomialResult(ints, grid, decoded, event, len(y), loss)
+
+
+def sample_grad_rows(
+    engine: Engine,
+    params: list[np.ndarray],
+    x: np.ndarray,
+    y: np.ndarray,
+    coords: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each sample's (unclipped) gradient, restricted to ``coords``, one row per sample.
+
+    The engine's own per-sample gradients when it has them (``per_sample_grads``, the
+    numpy engine), else one unclipped batch-of-one call per sample (the ONNX graph only
+    returns clipped sums). The caller clips (:func:`edge_sdk.ddp.round_rows` does, in
+    float64, on exactly the kept coordinates it encodes).
+
+    Args:
+        params: the model (graph order).
+        x, y: a batch of B samples.
+        coords: flat indices of the kept coordinates (None: all d).
+
+    Returns:
+        (rows, losses): float32 (B, k) gradients and the per-sample losses (B,).
+    """
+    per_sample = getattr(engine, "per_sample_grads", None)
+    if per_sample is not None:
+        grads = np.asarray(per_sample(params, x, y), dtype=np.float32)
+        logits = np.asarray(engine.logits(params, x), dtype=np.float64)
+        top = logits.max(axis=1)
+        losses = (top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
+                  - logits[np.arange(len(y)), np.asarray(y, dtype=np.int64)])
+    else:
+        grads = np.empty((len(y), sum(p.size for p in params)), dtype=np.float32)
+        losses = np.empty(len(y), dtype=np.float64)
+        for i in range(len(y)):
+            res = engine.clipped_grad_sum(params, x[i : i + 1], y[i : i + 1], math.inf)
+            np.concatenate([g.ravel() for g in res.clipped_sum], out=grads[i])
+            losses[i] = float(res.losses[0])
+    return (grads if coords is None else grads[:, coords]), losses
+
+
+@dataclass(frozen=True, slots=True)
+class DdgResult:
+    """One device's distributed-discrete-Gaussian round (sample-level, one release).
+
+    Attributes:
+        residues: uint64 (k,), in [0, 2^bits): the upload (the secure-aggregation input).
+        integers: int64 (k,), the rounded sum plus noise before the reduction mod 2^bits.
+            For the simulator's wrap-around diagnostics only; never uploaded.
+        num_samples: m, the local data set size.
+        mean_loss: mean per-sample training loss at the round's model.
+    """
+
+    residues: np.ndarray
+    integers: np.ndarray
+    num_samples: int
+    mean_loss: float
+
+
+def local_round_ddg(
+    engine: Engine,
+    params: list[np.ndarray],
+    x: np.ndarray,
+    y: np.ndarray,
+    rng: np.random.Generator,
+    *,
+    clip: float,
+    gamma: float,
+    sigma: float,
+    bits: int,
+    coords: np.ndarray | None = None,
+    chunk: int = 32,
+) -> DdgResult:
+    """The device side of one FedSGD round with distributed discrete Gaussian noise.
+
+    Kairouz, Liu, Steinke 2021 (distributed discrete Gaussian), at the sample level: every
+    one of the m local samples' gradients (q = 1: no subsampling, no amplification by
+    sampling claimed), restricted to the round's coordinate set, is clipped to C, scaled
+    by 1/gamma and conditionally rounded on its own (:func:`edge_sdk.ddp.round_rows`), so
+    one sample moves the device's integer sum by at most D2 = rounded_l2_bound(C/gamma, k,
+    beta) in L2. The device adds N_Z(0, sigma^2) per coordinate (the exact sampler) and
+    reduces mod 2^bits. One release per round: with several local steps, only the last
+    would provably be covered by the other devices' noise.
+
+    Args:
+        params: the global model (graph order); not modified.
+        x, y: the local data set, m samples.
+        rng: randomness of the rounding and the noise.
+        clip: C, per-sample L2 bound, model units (> 0).
+        gamma: model units per integer step (> 0).
+        sigma: per-device discrete Gaussian parameter, integer scale (>= 0).
+        bits: ring exponent (2..62).
+        coords: the round's rand-k set (flat indices), None for all coordinates.
+        chunk: samples per gradient batch (memory: chunk x k float64).
+
+    Returns:
+        The residues to upload and the diagnostics of :class:`DdgResult`.
+    """
+    from edge_sdk import ddp  # pulls in `cryptography`, which plain DP-SGD never needs
+
+    m = len(y)
+    if m == 0 or len(x) != m:
+        raise ValueError(f"local data must be non-empty with len(x) == len(y), got {len(x)}, {m}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk!r}")
+    k = sum(p.size for p in params) if coords is None else len(coords)
+    total = np.zeros(k, dtype=np.int64)
+    losses = 0.0
+    for s in range(0, m, chunk):
+        rows, batch_losses = sample_grad_rows(engine, params, x[s : s + chunk],
+                                              y[s : s + chunk], coords)
+        if not np.isfinite(rows).all():  # nothing is released
+            raise TrainingDiverged("DDG round: a per-sample gradient is not finite")
+        total += ddp.round_rows(rows, clip, gamma, rng).sum(axis=0)
+        losses += float(np.sum(batch_losses))
+    integers = total + ddp.sample_discrete_gaussian(sigma, k, rng)
+    residues = integers.view(np.uint64) & np.uint64((1 << bits) - 1)
+    return DdgResult(residues, integers, m, losses / m)

@@ -610,3 +610,70 @@ def test_encode_decode_reject_bad_input() -> None:
         decode_sum(np.zeros(128, dtype=np.uint64), cfg, SEED, 100, 1 << 19)
     with pytest.raises(ValueError, match=r"y must have padded_dim\(d=5\) = 8 entries per row"):
         unrotate(np.zeros(4), SEED, 5)
+
+
+# ------------------------------------------------- per-record encoding (sample-level DDG)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=hnp.arrays(np.float64, st.tuples(st.integers(1, 12), st.integers(1, 40)),
+                    elements=st.floats(-50.0, 50.0)),
+    scale=st.sampled_from([16.0, 1024.0]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_round_rows_one_record_moves_the_sum_by_at_most_d2(
+    rows: np.ndarray, scale: float, seed: int
+) -> None:
+    clip = 1.0
+    ints = ddp.round_rows(rows, clip, clip / scale, np.random.default_rng(seed))
+    d2 = rounded_l2_bound(scale, rows.shape[1], ddp.DEFAULT_BETA)
+    assert ints.dtype == np.int64 and ints.shape == rows.shape
+    total = ints.sum(axis=0)
+    for i in range(len(rows)):  # add/remove record i: the others' encodings are unchanged
+        without = np.delete(ints, i, axis=0).sum(axis=0)
+        assert float(np.linalg.norm((total - without).astype(np.float64))) <= d2
+        assert int(ints[i] @ ints[i]) <= d2 * d2
+
+
+def test_round_rows_decodes_to_the_clipped_sum() -> None:
+    rng = np.random.default_rng(7)
+    rows = rng.normal(size=(50, 300)) * rng.choice([0.01, 1.0], size=(50, 1))
+    rows[3] = 0.0  # an all-zero record stays zero
+    clip, gamma = 0.5, 0.5 / 1024
+    ints = ddp.round_rows(rows, clip, gamma, rng)
+    assert not ints[3].any()
+    decoded = gamma * ints.sum(axis=0)
+    # each record's rounding moves each coordinate by < 1 integer step
+    assert np.abs(decoded - _clip(rows, clip).sum(axis=0)).max() < 50 * gamma
+
+
+def test_round_rows_rejects_bad_input() -> None:
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match=r"rows must be 2-D \(rows, d\), got shape \(3,\)"):
+        ddp.round_rows(np.ones(3), 1.0, 0.01, rng)
+    with pytest.raises(ValueError, match="rows must be finite, got nan"):
+        ddp.round_rows(np.array([[1.0, np.nan]]), 1.0, 0.01, rng)
+    with pytest.raises(ValueError, match="clip must be finite and > 0, got inf"):
+        ddp.round_rows(np.ones((2, 3)), math.inf, 0.01, rng)
+    with pytest.raises(ValueError, match="clip / gamma must be <= 2\\^30"):
+        ddp.round_rows(np.ones((2, 3)), 1.0, 1e-12, rng)
+
+
+def test_choose_bits_bounded() -> None:
+    # no noise: the smallest b with 2^(b-1) > the signal bound
+    assert ddp.choose_bits_bounded(1000.0, 10, 100, 0.0, 1e-9) == 11
+    assert ddp.choose_bits_bounded(1023.0, 10, 100, 0.0, 1e-9) == 11
+    assert ddp.choose_bits_bounded(1024.0, 10, 100, 0.0, 1e-9) == 12
+    b = ddp.choose_bits_bounded(6.2e6, 10, 21840, 3000.0, 1e-9)
+    assert ddp.bounded_wrap_probability(6.2e6, 10, 21840, 3000.0, b) <= 1e-9
+    assert ddp.bounded_wrap_probability(6.2e6, 10, 21840, 3000.0, b - 1) > 1e-9
+    assert ddp.choose_bits_bounded(6.2e6, 10, 21840, 30000.0, 1e-9) >= b
+    # the tail by hand: one coordinate, n sigma^2 = 1, a = 2^(b-1) - S = 4: 2 e^-8
+    assert ddp.bounded_wrap_probability(4.0, 1, 1, 1.0, 4) == pytest.approx(2 * math.exp(-8))
+    with pytest.raises(ValueError, match=r"wrap_probability must be in \(0, 1\), got 1"):
+        ddp.choose_bits_bounded(10.0, 10, 100, 1.0, 1)
+    with pytest.raises(ValueError, match=r"needs \d+ bits > 62 for max_abs_signal"):
+        ddp.choose_bits_bounded(2.0**70, 10, 100, 1.0, 1e-9)
+    with pytest.raises(ValueError, match="max_abs_signal must be finite and >= 0, got -1"):
+        ddp.bounded_wrap_probability(-1.0, 10, 100, 1.0, 20)

@@ -168,6 +168,26 @@ def test_pld_calibration_meets_the_target_for_the_busiest_device(tiny) -> None:
     assert PldAccountant().compose(event).get_epsilon(1e-3) <= 2.0
 
 
+def test_ddg_calibration_meets_the_target_for_the_busiest_device(tiny) -> None:
+    from edge_sdk.privacy.discrete import DiscreteRdpAccountant
+    from tools.simulate import ddg_plan
+
+    settings = {**expand_runs(tiny)[0].settings, "mechanism": "ddg", "local_steps": 1}
+    facts = calibrate(settings, {"calibrate": "ddg", "epsilon": 1.0})
+    rounds_max = fleet_facts(settings)[0]
+    assert facts["method"] == "ddg" and facts["rounds_per_device_max"] == rounds_max
+
+    def eps(z: float) -> float:
+        cfg = SimConfig(**{**settings, "noise_multiplier": z, "progress": False})
+        plan = ddg_plan(cfg, 650)  # digits logreg: 64 x 10 + 10 parameters
+        return DiscreteRdpAccountant().compose(plan.event(rounds_max)).get_epsilon(1e-3)
+
+    z = facts["noise_multiplier"]
+    assert eps(z) <= 1.0 < eps(0.99 * z)  # the smallest such noise, to the search's rtol
+    summary = simulate(SimConfig(**{**settings, "noise_multiplier": z, "progress": False}))
+    assert summary["num_params"] == 650 and summary["epsilon"] <= 1.0
+
+
 def test_fleet_facts_replay_the_simulators_cohorts() -> None:
     settings = dict(dataset="digits", model="logreg", devices=10, participation=0.3,
                     rounds=7, local_steps=1, batch_size=8, lr=0.1, seed=5)

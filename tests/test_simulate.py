@@ -117,3 +117,79 @@ def test_binomial_baseline_runs_with_its_paper_bound() -> None:
                                 "quant_levels": 15, "rounds": 3, "binomial_trials": 4096}))
     assert out["epsilon"] is not None and out["epsilon"] > 0
     assert "cpSGD" in out["epsilon_note"]
+
+
+# FedSGD: one full-batch step per round, so a larger lr than FAST's local steps use
+DDG = dict(FAST, local_steps=1, clip=1.0, delta=1e-3, mechanism="ddg", lr=5.0)
+
+
+def test_ddg_epsilon_grows_and_is_the_busiest_devices_accountant() -> None:
+    from edge_sdk.privacy.discrete import DiscreteRdpAccountant
+    from tools.simulate import ddg_plan
+
+    cfg = SimConfig(**{**DDG, "noise_multiplier": 2.0})
+    out = simulate(cfg)
+    eps = out["epsilon_per_round"]
+    assert all(e is not None and math.isfinite(e) and e > 0 for e in eps)
+    assert eps == sorted(eps) and eps[-1] > eps[0]
+    plan = ddg_plan(cfg, out["num_params"])
+    busiest = DiscreteRdpAccountant().compose(plan.event(), count=out["max_rounds_per_device"])
+    assert out["epsilon"] == pytest.approx(busiest.get_epsilon(1e-3), rel=1e-12)
+    facts = out["ddg"]
+    assert facts["wrapped_coordinates"] == 0 and facts["bits"] >= 2
+    assert facts["sigma_dev"] == pytest.approx(2.0 * 1024 / math.sqrt(cfg.cohort_size))
+    # k integers of `bits` bits each, bit-packed, per upload
+    assert out["bytes_up_payload"] == out["device_rounds"] * math.ceil(
+        out["num_params"] * facts["bits"] / 8)
+
+
+def test_ddg_without_noise_learns_and_reports_no_epsilon() -> None:
+    out = simulate(SimConfig(**DDG))
+    assert out["epsilon"] is None
+    assert out["final_accuracy"] >= 0.75
+
+
+def test_ddg_sparsified_round_uploads_k_integers() -> None:
+    out = simulate(SimConfig(**{**DDG, "rounds": 2, "sparsity": 0.1, "noise_multiplier": 1.0}))
+    assert out["kept_coordinates"] < out["num_params"] / 5
+    assert out["epsilon"] is not None and out["ddg"]["wrapped_coordinates"] == 0
+
+
+def test_ddg_device_encoding_decodes_to_the_clipped_gradient_sum() -> None:
+    import numpy as np
+
+    from edge_sdk.engine import load_engine
+    from edge_sdk.model import build_spec, flatten_params, init_params
+    from edge_sdk.train import local_round_ddg
+    from models import manifest_path
+    from tools.datasets import load_dataset
+
+    data = load_dataset("digits")
+    spec = build_spec("logreg", data.input_shape, data.num_classes)
+    engine = load_engine(manifest_path(spec.name, spec.input_shape, spec.num_classes))
+    params = init_params(spec, np.random.default_rng(0))
+    x, y = data.x_train[:70], data.y_train[:70]
+    gamma = 0.5 / 1024
+    res = local_round_ddg(engine, params, x, y, np.random.default_rng(1), clip=0.5,
+                          gamma=gamma, sigma=0.0, bits=30, chunk=16)
+    oracle = flatten_params(engine.clipped_grad_sum(params, x, y, 0.5).clipped_sum)
+    decoded = gamma * res.integers
+    assert np.abs(decoded - oracle).max() < 70 * gamma + 1e-5  # < 1 step per sample
+    assert np.array_equal(res.residues, res.integers.view(np.uint64) & np.uint64(2**30 - 1))
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"clip": math.inf}, "needs a finite clip > 0 .*got inf"),
+    ({"local_steps": 3}, "local_steps must be 1, got 3"),
+    ({"quant_levels": 15}, "quant_levels must be 0, got 15"),
+    ({"update_clip": 1.0}, "update_clip must be unset, got 1.0"),
+    ({"weighting": "samples"}, "weighting must be 'uniform', got 'samples'"),
+    ({"secagg": True}, "runs in-process .* secagg=True"),
+    ({"ddg_gamma": -1.0}, "ddg_gamma must be finite and > 0, got -1.0"),
+    ({"ddg_gamma": 1e-12}, r"clip / ddg_gamma must be <= 2\^30"),
+    ({"noise_multiplier": math.nan}, "noise_multiplier must be finite and >= 0, got nan"),
+    ({"mechanism": "gaussian", "ddg_gamma": 0.01}, "ddg_gamma applies to mechanism 'ddg' only"),
+])
+def test_ddg_bad_configs_are_clear_errors(bad: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SimConfig(**{**DDG, **bad})

@@ -232,3 +232,35 @@ def test_update_noise_round_clips_the_update_and_reports_wor_event() -> None:
     flat = np.concatenate([u.ravel() for u in res.update])
     assert 3.0 < flat.std() < 5.0
     assert res.event.noise_multiplier == 1.0
+
+
+def test_sample_grad_rows_onnx_and_numpy_agree_and_restrict_to_coords() -> None:
+    from edge_sdk.train import sample_grad_rows
+
+    x, y = _data(20)
+    params = init_params(SPEC, np.random.default_rng(0))
+    coords = np.array([0, 5, 61])
+    a, la = sample_grad_rows(ENGINE, params, x, y)
+    b, lb = sample_grad_rows(NumpyEngine(SPEC), params, x, y, coords)
+    assert a.shape == (20, SPEC.num_params) and b.shape == (20, 3)
+    np.testing.assert_allclose(a[:, coords], b, atol=1e-5)
+    np.testing.assert_allclose(la, lb, atol=1e-5)
+    # the rows sum to the engine's own (unclipped) gradient sum
+    total = np.concatenate([g.ravel() for g in ENGINE.clipped_grad_sum(
+        params, x, y, math.inf).clipped_sum])
+    np.testing.assert_allclose(a.sum(axis=0), total, atol=1e-4)
+
+
+def test_ddg_round_bad_data_and_divergence() -> None:
+    from edge_sdk.train import TrainingDiverged, local_round_ddg
+
+    x, y = _data(10)
+    params = init_params(SPEC, np.random.default_rng(0))
+    kw = dict(clip=1.0, gamma=1 / 1024, sigma=10.0, bits=24)
+    with pytest.raises(ValueError, match="non-empty"):
+        local_round_ddg(ENGINE, params, x[:0], y[:0], np.random.default_rng(0), **kw)
+    bad = [np.full_like(p, np.nan) for p in params]
+    with pytest.raises(TrainingDiverged, match="not finite"):
+        local_round_ddg(ENGINE, bad, x, y, np.random.default_rng(0), **kw)
+    res = local_round_ddg(ENGINE, params, x, y, np.random.default_rng(0), **kw)
+    assert res.residues.dtype == np.uint64 and int(res.residues.max()) < 2**24

@@ -44,9 +44,13 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
                    choices=["fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedspa"],
                    help="server optimizer (fedspa: Fed-SPA's adaptive update, eq. (6); "
                         "fedadam/fedyogi/fedadagrad: Reddi et al. 2021)")
-    p.add_argument("--mechanism", choices=["gaussian", "update-noise", "binomial"],
+    p.add_argument("--mechanism", choices=["gaussian", "update-noise", "binomial", "ddg"],
                    help="gaussian: noise every step (default); update-noise: privatized "
-                        "FedPAQ, noise once on the clipped update; binomial: cpSGD baseline")
+                        "FedPAQ, noise once on the clipped update; binomial: cpSGD baseline; "
+                        "ddg: FedSGD with distributed discrete Gaussian noise under secure "
+                        "aggregation's sum mod 2^bits")
+    p.add_argument("--ddg-gamma", type=float,
+                   help="ddg: model units per integer step (default: clip / 1024)")
     p.add_argument("--binomial-trials", type=int, help="binomial: coin flips N per coordinate")
     p.add_argument("--sparsity", type=float, help="kept fraction p of rand-k (default 1)")
     p.add_argument("--quant-levels", type=int, help="QSGD levels s for uploads (0: float32)")
@@ -85,7 +89,8 @@ def _simulate(args: argparse.Namespace) -> int:
             "batch_size", "lr", "clip", "noise_multiplier", "delta", "partition", "sampling",
             "server_lr", "server_opt", "weighting", "backend", "threads", "eval_every",
             "seed", "mechanism", "sparsity", "quant_levels", "update_clip", "binomial_trials",
-            "transport", "secagg", "dropout", "stage_timeout", "value_bound", "budget_epsilon"]
+            "ddg_gamma", "transport", "secagg", "dropout", "stage_timeout", "value_bound",
+            "budget_epsilon"]
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     if args.quiet:
         overrides["progress"] = False

@@ -14,6 +14,20 @@ Mechanisms (``mechanism``):
 * ``binomial``: the cpSGD baseline: the same clipped update quantized onto a grid of
   S / levels, plus Binomial(N, 1/2) noise. Its epsilon is cpSGD's Theorem 1 (a paper
   bound) per round at delta / rounds, amplified by the subsample, composed by summing.
+* ``ddg``: FedSGD with the distributed discrete Gaussian (Kairouz, Liu, Steinke 2021)
+  under secure aggregation, sample-level: each round every cohort device sums ALL its
+  samples' gradients (q = 1, no amplification by sampling), each restricted to the
+  round's rand-k set and clipped to C, scaled by 1/gamma and conditionally rounded on its
+  own (one sample moves the sum by at most D2 in L2), adds N_Z(0, sigma^2) per coordinate
+  with sigma = z (C / gamma) / sqrt(r), and uploads the residues mod 2^bits. The simulator
+  applies secure aggregation's arithmetic (the sum of residues mod 2^bits; the masks
+  cancel) but not its key agreement, which ``tools.fleet`` and the secagg tests cover. The
+  server takes the centered residue, times gamma, divided by the public r x mean local
+  data size, and hands -lr / p times that mean gradient to the server optimizer: one
+  release, one step per round. Why not tau local steps: other devices' noise provably
+  covers only the released sum, so intermediate local states would each need their own
+  noise. Each device's :class:`~edge_sdk.privacy.discrete.DiscreteRdpAccountant`
+  composes one distributed-discrete-Gaussian event per round it took part in.
 Uploads: the kept values (k = p*d of them), optionally quantized with s levels (QSGD,
 after the noise), counted in bytes: payload, msgpack framing and the MQTT PUBLISH header.
 
@@ -40,14 +54,23 @@ import numpy as np
 from aggregator.fedavg import select_cohort
 from aggregator.optimizers import OPTIMIZERS
 from edge_sdk import compress
+from edge_sdk.ddp import (
+    DEFAULT_BETA,
+    bounded_wrap_probability,
+    centered_residue,
+    choose_bits_bounded,
+    rounded_l2_bound,
+)
 from edge_sdk.engine import Engine, load_engine
 from edge_sdk.model import build_spec, flatten_params, init_params, unflatten_params
 from edge_sdk.privacy import RdpAccountant
+from edge_sdk.privacy.discrete import DiscreteRdpAccountant, DistributedDiscreteGaussian
 from edge_sdk.privacy.paper_bounds import fedpaq_epsilon_from_noise
 from edge_sdk.train import (
     LocalTraining,
     local_round,
     local_round_binomial,
+    local_round_ddg,
     local_round_update_noise,
 )
 from edge_sdk.wire import encode_update, mqtt_publish_size, update_topic
@@ -55,13 +78,24 @@ from models import manifest_path
 from tools.datasets import DATASETS, load_dataset
 from tools.partition import parse_scheme, partition
 
-__all__ = ["SimConfig", "load_config", "simulate"]
+__all__ = ["DDG_SCALE", "DdgPlan", "SimConfig", "ddg_plan", "load_config", "simulate"]
+
+DDG_SCALE = 1024
+"""Default C / gamma of mechanism ``ddg``: a clipped sample spans 2^10 integer steps, so
+rounding adds at most sqrt(k) to its L2 bound (0.3% at the CNN's k = 21,840) and its
+variance is far below the noise's."""
+
+# Per round; a union bound over 45 rounds is still negligible.
+_DDG_WRAP_PROBABILITY = 1e-9
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SimConfig:
     """A simulated fleet. Units: clip C is an L2 norm bound per sample; noise_multiplier z
-    is the noise std on the clipped sum divided by C; epsilon is reported at ``delta``."""
+    is the noise std on the clipped sum divided by C (mechanism ``ddg``: the std of the
+    cohort's summed noise divided by C, so each device's sigma is z (C/gamma) / sqrt(r)
+    integer steps); ``ddg_gamma`` is model units per integer step (None: C / 1024);
+    epsilon is reported at ``delta``."""
 
     dataset: str = "fashion-mnist"
     model: str = "cnn"
@@ -84,6 +118,7 @@ class SimConfig:
     quant_levels: int = 0
     update_clip: float | None = None
     binomial_trials: int = 4096
+    ddg_gamma: float | None = None
     backend: str = "onnx"
     threads: int = 1
     seed: int = 0
@@ -122,16 +157,21 @@ class SimConfig:
             raise ValueError(f"delta must be in (0, 1), got {self.delta!r}")
         if self.weighting not in ("uniform", "samples"):
             raise ValueError(f"weighting must be 'uniform' or 'samples', got {self.weighting!r}")
-        if self.mechanism not in ("gaussian", "update-noise", "binomial"):
-            raise ValueError("mechanism must be 'gaussian', 'update-noise' or 'binomial', "
-                             f"got {self.mechanism!r}")
+        if self.mechanism not in ("gaussian", "update-noise", "binomial", "ddg"):
+            raise ValueError("mechanism must be 'gaussian', 'update-noise', 'binomial' or "
+                             f"'ddg', got {self.mechanism!r}")
         if self.server_opt not in OPTIMIZERS:
             raise ValueError(f"server_opt must be one of {sorted(OPTIMIZERS)}, "
                              f"got {self.server_opt!r}")
         if self.quant_levels < 0:
             raise ValueError(f"quant_levels must be >= 0 (0: float32), got {self.quant_levels!r}")
-        if self.mechanism != "gaussian" and self.sparsity != 1.0:
+        if self.mechanism not in ("gaussian", "ddg") and self.sparsity != 1.0:
             raise ValueError(f"mechanism {self.mechanism!r} is dense: use sparsity 1")
+        if self.mechanism == "ddg":
+            self.ddg_checks()
+        elif self.ddg_gamma is not None:
+            raise ValueError(f"ddg_gamma applies to mechanism 'ddg' only, got mechanism "
+                             f"{self.mechanism!r} with ddg_gamma={self.ddg_gamma!r}")
         if self.eval_every < 1:
             raise ValueError(f"eval_every must be >= 1, got {self.eval_every!r}")
         parse_scheme(self.partition)
@@ -142,6 +182,41 @@ class SimConfig:
     @property
     def cohort_size(self) -> int:
         return max(1, round(self.participation * self.devices))
+
+    def ddg_checks(self) -> None:
+        """Raise ValueError for settings mechanism ``ddg`` cannot run (see the module)."""
+        if self.secagg:
+            raise ValueError("mechanism 'ddg' runs in-process (the simulator applies secure "
+                             "aggregation's sum mod 2^bits itself): use transport 'inproc' "
+                             f"with secagg = false, got transport={self.transport!r}, "
+                             f"secagg={self.secagg!r}")
+        if not (math.isfinite(self.clip) and self.clip > 0):
+            raise ValueError(f"mechanism 'ddg' needs a finite clip > 0 (the per-sample "
+                             f"integer norm bound depends on it), got {self.clip!r}")
+        if self.local_steps != 1:
+            raise ValueError(f"mechanism 'ddg' is one full-batch step per round (FedSGD: "
+                             f"other devices' noise covers only the released sum), so "
+                             f"local_steps must be 1, got {self.local_steps!r}")
+        if self.quant_levels:
+            raise ValueError(f"mechanism 'ddg' uploads integers mod 2^bits, not QSGD: "
+                             f"quant_levels must be 0, got {self.quant_levels!r}")
+        if self.update_clip is not None:
+            raise ValueError(f"mechanism 'ddg' clips per sample, not the update: "
+                             f"update_clip must be unset, got {self.update_clip!r}")
+        if self.weighting != "uniform":
+            raise ValueError("mechanism 'ddg' sums samples and divides by the public r x "
+                             "mean local data size: weighting must be 'uniform', got "
+                             f"{self.weighting!r}")
+        if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
+            raise ValueError(f"noise_multiplier must be finite and >= 0, "
+                             f"got {self.noise_multiplier!r}")
+        if self.ddg_gamma is not None:
+            g = self.ddg_gamma
+            if isinstance(g, bool) or not (isinstance(g, int | float) and math.isfinite(g)
+                                           and g > 0):
+                raise ValueError(f"ddg_gamma must be finite and > 0, got {g!r}")
+            if self.clip / g > 2**30:
+                raise ValueError(f"clip / ddg_gamma must be <= 2^30, got {self.clip / g!r}")
 
     def fleet_checks(self) -> None:
         """Raise ValueError for settings the fleet path (secure aggregation) cannot run."""
@@ -282,6 +357,58 @@ def _upload_integers(ints: np.ndarray, grid: float, rnd: int,
     return ints * grid, payload_len, wire - payload_len
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DdgPlan:
+    """The public parameters of a ``ddg`` run (integer scale unless stated).
+
+    Attributes:
+        gamma: model units per integer step.
+        sigma: per-device discrete Gaussian parameter.
+        l2_sensitivity: D2 = rounded_l2_bound(C/gamma, k, beta): one sample's rounded
+            vector, so one sample's change to a device's integer sum (add/remove).
+        l1_sensitivity: min(sqrt(k) D2, D2^2) (integer coordinates), rounded up.
+        dim: k, the coordinates noised and uploaded.
+        devices: r, the cohort: noise shares in every released sum (no dropouts here).
+    """
+
+    gamma: float
+    sigma: float
+    l2_sensitivity: float
+    l1_sensitivity: float
+    dim: int
+    devices: int
+
+    def event(self, steps: int = 1) -> DistributedDiscreteGaussian:
+        """The privacy event of ``steps`` rounds of one device (KLS 2021)."""
+        return DistributedDiscreteGaussian(
+            l2_sensitivity=self.l2_sensitivity, l1_sensitivity=self.l1_sensitivity,
+            sigma=self.sigma, devices=self.devices, dim=self.dim, steps=steps)
+
+
+def ddg_plan(cfg: SimConfig, num_params: int) -> DdgPlan:
+    """The :class:`DdgPlan` of a ``ddg`` config for a model of ``num_params`` parameters."""
+    if cfg.mechanism != "ddg":
+        raise ValueError(f"ddg_plan needs mechanism 'ddg', got {cfg.mechanism!r}")
+    gamma = cfg.ddg_gamma if cfg.ddg_gamma is not None else cfg.clip / DDG_SCALE
+    k = num_params if cfg.sparsity == 1.0 else compress.kept_count(num_params, cfg.sparsity)
+    r = cfg.cohort_size
+    l2 = rounded_l2_bound(cfg.clip / gamma, k, DEFAULT_BETA)
+    return DdgPlan(gamma=gamma, sigma=cfg.noise_multiplier * (cfg.clip / gamma) / math.sqrt(r),
+                   l2_sensitivity=l2,
+                   l1_sensitivity=math.nextafter(min(math.sqrt(k) * l2, l2 * l2), math.inf),
+                   dim=k, devices=r)
+
+
+def _upload_ddg(k: int, bits: int, rnd: int, device: int) -> tuple[int, int]:
+    """(payload, overhead) bytes of a ddg upload: k residues bit-packed at ``bits`` each
+    (gamma, bits and the coordinate set are public round parameters, not sent)."""
+    payload_len = math.ceil(k * bits / 8)
+    message = encode_update(round_id=rnd, device=f"d{device}", encoding=f"ddg{bits}",
+                            count=k, payload=bytes(payload_len))
+    wire = mqtt_publish_size(update_topic("sim", f"d{device}"), len(message))
+    return payload_len, wire - payload_len
+
+
 def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
     """Run the fleet; return the JSON-able summary (see module docstring for epsilon)."""
     if cfg.secagg:
@@ -303,7 +430,8 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
     device_data = [(data.x_train[idx], data.y_train[idx]) for idx in shards]
     device_rngs = [np.random.default_rng([cfg.seed, 1, i]) for i in range(cfg.devices)]
     adjacency = "substitution" if cfg.mechanism == "update-noise" else "add_remove"
-    accountants = [RdpAccountant(adjacency=adjacency) for _ in range(cfg.devices)]
+    accountants = [(DiscreteRdpAccountant() if cfg.mechanism == "ddg"
+                    else RdpAccountant(adjacency=adjacency)) for _ in range(cfg.devices)]
     participated = np.zeros(cfg.devices, dtype=np.int64)
     # binomial: per device, eps and delta summed over rounds (basic composition)
     binom_eps = np.zeros(cfg.devices)
@@ -317,6 +445,24 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
     state = server.init(params)
     local = cfg.local()
     r = cfg.cohort_size
+    ddg = ddg_plan(cfg, d) if cfg.mechanism == "ddg" else None
+    ddg_facts: dict[str, Any] | None = None
+    bits, nominal = 0, 0.0
+    if ddg is not None:
+        sizes = [len(s) for s in shards]
+        # Public: the fleet's mean local data size (never the true count of the round,
+        # which depends on the data), and the largest one for the ring's worst case.
+        nominal = float(np.mean(sizes))
+        max_signal = r * max(sizes) * ddg.l2_sensitivity
+        bits = choose_bits_bounded(max_signal, r, k, ddg.sigma, _DDG_WRAP_PROBABILITY)
+        ddg_facts = {"gamma": ddg.gamma, "sigma_dev": ddg.sigma,
+                     "summed_noise_std_model_units": ddg.sigma * ddg.gamma * math.sqrt(r),
+                     "bits": bits, "l2_sensitivity": ddg.l2_sensitivity,
+                     "l1_sensitivity": ddg.l1_sensitivity, "beta": DEFAULT_BETA,
+                     "nominal_local_samples": nominal, "max_abs_signal": max_signal,
+                     "wrap_probability_bound_per_round": bounded_wrap_probability(
+                         max_signal, r, k, ddg.sigma, bits),
+                     "wrapped_coordinates": 0}
     acc_hist: list[float | None] = []
     eps_hist: list[float] = []
     loss_hist: list[float] = []
@@ -333,10 +479,21 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
         model_bytes = encode_update(round_id=rnd, device="server", encoding="f32", count=d,
                                     payload=flatten_params(params).tobytes())
         total = np.zeros(k, dtype=np.float64)
+        residue_sum = np.zeros(k, dtype=np.uint64)  # ddg: uint64 wraps mod 2^64, 2^bits | 2^64
+        plain_sum = np.zeros(k, dtype=np.int64)  # ddg: the same sum without the ring
         weights, losses = [], []
         for i in cohort:
             x, y = device_data[i]
-            if cfg.mechanism == "binomial":
+            decoded: np.ndarray | None = None
+            if ddg is not None:
+                res = local_round_ddg(engine, params, x, y, device_rngs[i], clip=cfg.clip,
+                                      gamma=ddg.gamma, sigma=ddg.sigma, bits=bits,
+                                      coords=coords)
+                accountants[i].compose(ddg.event())
+                residue_sum += res.residues
+                plain_sum += res.integers
+                payload, overhead = _upload_ddg(k, bits, rnd, int(i))
+            elif cfg.mechanism == "binomial":
                 res = local_round_binomial(engine, params, x, y, local, device_rngs[i],
                                            trials=cfg.binomial_trials,
                                            levels=cfg.quant_levels or 127,
@@ -359,13 +516,21 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
                 decoded, payload, overhead = _upload(values, cfg, device_rngs[i], rnd, int(i))
             participated[i] += 1
             w = res.num_samples if cfg.weighting == "samples" else 1.0
-            total += w * decoded
+            if decoded is not None:
+                total += w * decoded
             weights.append(w)
             losses.append(res.mean_loss)
             bytes_up_payload += payload
             bytes_up_overhead += overhead
             bytes_down += mqtt_publish_size("fedge/sim/model", len(model_bytes))
-        mean_kept = (total / sum(weights)).astype(np.float32)
+        if ddg is not None and ddg_facts is not None:
+            summed = centered_residue(residue_sum, bits)
+            ddg_facts["wrapped_coordinates"] += int(np.count_nonzero(summed != plain_sum))
+            # FedSGD: -lr times the mean clipped gradient, / p for rand-k (Fed-SPA eq. (5))
+            scale = -cfg.lr * (d / k) * ddg.gamma / (r * nominal)
+            mean_kept = (scale * summed.astype(np.float64)).astype(np.float32)
+        else:
+            mean_kept = (total / sum(weights)).astype(np.float32)
         dense = mean_kept if coords is None else np.zeros(d, dtype=np.float32)
         if coords is not None:
             dense[coords] = mean_kept
@@ -400,7 +565,9 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
         "epsilon_note": (
             "max over devices, sample-level DP; null = no DP guarantee. "
             + ("cpSGD Thm 1 (paper bound) per round, basic composition"
-               if cfg.mechanism == "binomial" else "RDP accountant")),
+               if cfg.mechanism == "binomial" else
+               "distributed discrete Gaussian (KLS 2021 Thm 1) RDP accountant, r shares"
+               if cfg.mechanism == "ddg" else "RDP accountant")),
         "delta": cfg.delta,
         "paper_epsilon": (finite(float(paper_eps.max()))
                           if cfg.mechanism == "update-noise" else None),
@@ -415,6 +582,7 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
         "bytes_down_total": bytes_down,
         "bytes_per_round": bytes_hist,
         "kept_coordinates": k,
+        "ddg": ddg_facts,
         "device_rounds": uploads,
         "max_rounds_per_device": int(participated.max()),
         "num_params": d,

@@ -17,10 +17,12 @@ An experiment is a TOML file in this directory (frozen *data*); the runner inter
 
 ``noise`` (see :func:`calibrate`): ``{std = s}`` (absolute std on the averaged gradient,
 z = s B / C), ``{multiplier = z}``, or ``{calibrate = M, epsilon = e}`` with M one of
-``pld``/``rdp`` (our accountants, Poisson-subsampled Gaussian), ``fed-spa`` (Fed-SPA
-Thm. 1), ``hu-guo-gong`` / ``hu-guo-gong-nosecagg`` (zCDP paper Thm. 1 with r or 1 cohort
-members under secure aggregation), ``fedpaq`` (FedPAQ eq. (16), per round). Paper bounds
-are used only to reproduce a paper's noise; every run also reports our RDP epsilon.
+``pld``/``rdp`` (our accountants, Poisson-subsampled Gaussian), ``ddg`` (mechanism
+``ddg``: our distributed-discrete-Gaussian accountant, z = summed noise std / C),
+``fed-spa`` (Fed-SPA Thm. 1), ``hu-guo-gong`` / ``hu-guo-gong-nosecagg`` (zCDP paper
+Thm. 1 with r or 1 cohort members under secure aggregation), ``fedpaq`` (FedPAQ eq. (16),
+per round). Paper bounds are used only to reproduce a paper's noise; every run also
+reports our RDP epsilon (mechanism ``ddg``: the distributed-discrete-Gaussian one).
 
 Resumable: each finished (config, seed) run is written, atomically, to
 ``<root>/<name>/<variant>/runs/<key>.json`` as it completes (key: hash of the exact
@@ -70,7 +72,8 @@ REPO_ROOT = EXPERIMENTS_DIR.parent.parent
 RESULTS_DIR = REPO_ROOT / "docs" / "results"
 REPORT_PATH = REPO_ROOT / "docs" / "results.md"
 
-_CALIBRATIONS = ("pld", "rdp", "fed-spa", "hu-guo-gong", "hu-guo-gong-nosecagg", "fedpaq")
+_CALIBRATIONS = ("pld", "rdp", "ddg", "fed-spa", "hu-guo-gong", "hu-guo-gong-nosecagg",
+                 "fedpaq")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -256,6 +259,24 @@ def fed_spa_formula(*, sample_rate: float, rounds: int, local_steps: int,
     return float(np.min(per * alphas + math.log(1.0 / delta) / (alphas - 1.0)))
 
 
+def _ddg_noise(settings: dict[str, Any], target: float, delta: float, rounds: int) -> float:
+    """Smallest z whose distributed-discrete-Gaussian epsilon over ``rounds`` rounds of one
+    device (the simulator's :func:`~tools.simulate.ddg_plan` event, composed) is <= target."""
+    from edge_sdk.model import build_spec
+    from edge_sdk.privacy.discrete import discrete_epsilon
+    from tools.datasets import load_dataset
+    from tools.simulate import SimConfig, ddg_plan
+
+    data = load_dataset(settings.get("dataset", "fashion-mnist"))
+    d = build_spec(settings.get("model", "cnn"), data.input_shape, data.num_classes).num_params
+
+    def eps_of(z: float) -> float:
+        cfg = SimConfig(**{**settings, "noise_multiplier": z, "progress": False})
+        return discrete_epsilon(ddg_plan(cfg, d).event(rounds), delta)
+
+    return _smallest_noise(eps_of, target)
+
+
 def calibrate(settings: dict[str, Any], noise: dict[str, Any]) -> dict[str, Any]:
     """The noise multiplier z for one run, and how it was chosen (see module docstring).
 
@@ -296,6 +317,9 @@ def calibrate(settings: dict[str, Any], noise: dict[str, Any]) -> dict[str, Any]
         p_kept = float(settings.get("sparsity", 1.0))
         z = math.sqrt(p_kept) * calibrate_noise_multiplier(eps, delta, q, tau * rounds_max,
                                                            accountant=method)
+    elif method == "ddg":
+        z = _ddg_noise(settings, eps, delta, rounds_max)
+        facts["sample_rate"] = 1.0  # every local sample, every round: no amplification
     elif method == "fed-spa":
         p = float(settings.get("sparsity", 1.0))
 
