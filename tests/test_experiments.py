@@ -228,3 +228,29 @@ def test_quick_variant_runs(name: str, tmp_path: Path) -> None:
     if exp.kind == "simulate":
         keys = {spec.key for spec in expand_runs(exp, quick=True)}
         assert {r["key"] for r in load_records(vdir)} == keys
+
+
+def test_cross_summary_judges_the_fedspa_target_on_sound_rows_only(tmp_path: Path) -> None:
+    from tools.experiments import analyses
+
+    def store(name: str, label: str, acc: float, z: float, eps: float | None,
+              method: str = "multiplier", note: str = "RDP accountant") -> None:
+        runs = tmp_path / name / "full" / "runs"
+        runs.mkdir(parents=True, exist_ok=True)
+        (runs / f"{label.replace(' ', '_')}.json").write_text(json.dumps({
+            "label": label, "key": label, "noise": {"method": method, "noise_multiplier": z},
+            "summary": {"accuracy_per_round": [acc / 2, acc], "epsilon": eps,
+                        "epsilon_note": note}}))
+
+    assert analyses.cross_summary(tmp_path) == []  # the Fed-SPA table not run yet
+    store("fedspa-table1", "FedAvg (non-private)", 0.86, 0.0, None)
+    store("fedspa-table1", "DP-Fed", 0.60, 7.0, 0.2)
+    # cpSGD's epsilon is a paper bound: never counted, however accurate
+    store("fedspa-table1", "cpSGD", 0.85, 1.0, 0.5, note="cpSGD Thm 1 (paper bound)")
+    store("ours-fedspa-pld", "DP-Fed (PLD)", 0.80, 1.5, 1.16, method="pld")
+    store("ours-fedspa-ddg", "DDG dense", 0.83, 9.0, 1.0)
+    store("ours-fedspa-ddg", "DDG too loose", 0.845, 1.0, 3.0)  # eps 3 > 1: not counted
+    [line] = analyses.cross_summary(tmp_path)
+    assert "best private row at a sound eps <= 1 (delta = 1e-3) 83.00 % (DDG dense" in line
+    assert "gap 3.00 points: within 5 points **held**" in line
+    assert "cpSGD" not in line and "too loose" not in line

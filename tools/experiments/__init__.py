@@ -557,6 +557,7 @@ def write_report(*, root: Path = RESULTS_DIR, report: Path = REPORT_PATH,
     exps = list(experiments) if experiments is not None else list_experiments()
     lines = [preamble if preamble is not None else analyses.PREAMBLE, ""]
     missing: list[str] = []
+    claims: list[str] = []
     toc = []
     body: list[str] = []
     for exp in exps:
@@ -591,7 +592,16 @@ def write_report(*, root: Path = RESULTS_DIR, report: Path = REPORT_PATH,
                      f"{meta.get('cpu', 'this machine')}.", ""]
             section = getattr(analyses, exp.analysis)(exp, records, vdir, report.parent)
             body += [section, ""]
+            if vdir.name == "full":  # claims are judged on full variants only
+                claims += [f"- [{exp.name}](#{exp.name}): {line.strip().lstrip('- ')}"
+                           for line in section.splitlines()
+                           if "**held**" in line or "**did not hold**" in line]
     lines += ["## Contents", "", *toc, ""]
+    summary = analyses.cross_summary(root)
+    if claims or summary:
+        lines += ["## Claims at a glance", "",
+                  "Every verdict of the full variants below, as stated in its section "
+                  "(each with the rule it was judged by):", "", *claims, "", *summary, ""]
     if missing:
         lines += ["## Not run yet", "", "These variants have no stored results; each command "
                   "runs (and resumes) one:", "", *missing, ""]

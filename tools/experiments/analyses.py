@@ -203,6 +203,61 @@ def fedspa_table(exp: Any, records: list[dict[str, Any]], vdir: Path, docdir: Pa
     return "\n".join(out)
 
 
+# ------------------------------------------------------------ across experiments
+
+
+def cross_summary(root: Path) -> list[str]:
+    """Issue 7's Fed-SPA target judged over every full Fed-SPA table (paper bound, PLD,
+    distributed noise): the best private row at a sound eps <= 1 against FedAvg.
+
+    A row counts when its noise gives a sound guarantee of eps <= 1 at delta = 1e-3:
+    the PLD rows by calibration, the distributed-noise rows by their accountant, the
+    paper-bound rows by our RDP epsilon of the same run (the paper's own bound is not
+    relied on). Empty when the Fed-SPA table has not been run at full size.
+    """
+    from tools.experiments import load_records
+
+    def best(records: list[dict[str, Any]]) -> dict[str, float]:
+        return {label: 100 * _mean(runs, _best_acc) for label, runs in _by_label(records).items()}
+
+    tables = {}
+    for name in ("fedspa-table1", "ours-fedspa-pld", "ours-fedspa-ddg"):
+        d = root / name / "full"
+        if (d / "runs").is_dir():
+            tables[name] = load_records(d)
+    if "fedspa-table1" not in tables:
+        return []
+    fedavg = best([r for r in tables["fedspa-table1"]
+                   if r["noise"]["noise_multiplier"] == 0.0]).get("FedAvg (non-private)")
+    if fedavg is None:
+        return []
+    private = []
+    for name, records in tables.items():
+        for label, runs in _by_label(records).items():
+            z = runs[0]["noise"]["noise_multiplier"]
+            eps = max(_eps(r) for r in runs)
+            calibrated_pld = runs[0]["noise"].get("method") == "pld"
+            # cpSGD's epsilon is its paper's Theorem 1, not one of our accountants
+            ours = "paper bound" not in (runs[0]["summary"].get("epsilon_note") or "")
+            if z > 0 and ours and (eps <= 1.0 + 1e-9 or calibrated_pld):
+                private.append((100 * _mean(runs, _best_acc), name, label))
+    if not private:
+        return []
+    private.sort(reverse=True)
+    acc, name, label = private[0]
+    gap = fedavg - acc
+    ranked = "; ".join(f"{a:.2f} % {lbl} ({n})" for a, n, lbl in private[:4])
+    return [f"Issue 7's Fed-SPA target, judged over all three Fed-SPA tables (full): "
+            f"non-private FedAvg {fedavg:.2f} % ({_verdict(fedavg >= 85.0)} >= 85 %); best "
+            f"private row at a sound eps <= 1 (delta = 1e-3) {acc:.2f} % ({label}, "
+            f"[{name}](#{name})), gap {gap:.2f} points: within 5 points "
+            f"{_verdict(gap <= 5.0)}. The top private rows: {ranked}. Why the gap stays "
+            "above 5 points where it does: the non-private rows of the same forms bound what "
+            "any noise level could reach (the one-step-per-round FedSGD row of "
+            "ours-fedspa-ddg, and DP-Fed's clipping without noise in ours-fedspa-pld); see "
+            "those sections for the split between the form, the clipping and the noise."]
+
+
 # ------------------------------------------------------ Ours: Fed-SPA with the PLD accountant
 
 
@@ -217,7 +272,12 @@ def fedspa_pld(exp: Any, records: list[dict[str, Any]], vdir: Path, docdir: Path
              "| best acc. | eps RDP | accuracy bought by PLD (points) |",
              "|---|---|---|---|---|---|---|---|"]
     bought = {}
+    # rows without noise (z = 0) are no DP at all: reported apart, as a decomposition
+    plain = {label: runs for label, runs in groups.items()
+             if runs[0]["noise"]["noise_multiplier"] == 0.0}
     for label, runs in groups.items():
+        if label in plain:
+            continue
         base = label.replace(" (PLD)", "")
         p_runs = paper.get(base)
         acc = 100 * _mean(runs, _best_acc)
@@ -242,6 +302,17 @@ def fedspa_pld(exp: Any, records: list[dict[str, Any]], vdir: Path, docdir: Path
         out.append("Reading: a positive number is accuracy the tight accountant buys at the "
                    "same (sound) epsilon; a negative one is accuracy the paper's bound only "
                    "had because it under-charged (its eps is not a sound guarantee).")
+    fedavg = paper.get("FedAvg (non-private)")
+    dpfed = groups.get("DP-Fed (PLD)")
+    for label, runs in plain.items():
+        acc = 100 * _mean(runs, _best_acc)
+        line = f"{label} (z = 0, no DP guarantee): best accuracy {acc:.2f} %."
+        if fedavg and dpfed:
+            fa, dp = 100 * _mean(fedavg, _best_acc), 100 * _mean(dpfed, _best_acc)
+            line += (f" Of the {fa - dp:.2f}-point gap between non-private FedAvg ({fa:.2f}) "
+                     f"and DP-Fed (PLD, eps = 1: {dp:.2f}), per-sample clipping at C = 1 "
+                     f"accounts for {fa - acc:.2f} points and the noise for {acc - dp:.2f}.")
+        out.append(line)
     out.append("Secure aggregation with distributed discrete Gaussian noise (each device "
                "adding 1/r of the variance) at the same sound eps: see "
                "[ours-fedspa-ddg](#ours-fedspa-ddg).")
