@@ -104,6 +104,12 @@ def test_grid_estimates_cells_from_the_measured_ones() -> None:
     t, basis = estimate(1000, 10_000, True, rows)  # full graph: pairwise work n (n - 1)
     assert t == pytest.approx(8.0 * 1000 * 999 / (100 * 99)) and "n=100" in basis
     assert estimate(1000, 10_000, False, rows) is None  # no SecAgg+ row at d = 1e4
+    # one point at this n: the growth from d = 1e4 to 1e5 seen at n = 100 (x 11/8)
+    rows.append({"clients": 1000, "dim": 10_000, "full_graph": True, "run_s": 800.0})
+    t, basis = estimate(1000, 100_000, True, rows)
+    assert t == pytest.approx(800.0 * 11.0 / 8.0) and "growth at n=100" in basis
+    t, basis = estimate(1000, 1_000_000, True, rows)  # no n = 100 row at 1e6: proportional
+    assert t == pytest.approx(800.0 * 100) and "proportional" in basis
 
 
 def test_grid_does_not_start_a_cell_predicted_over_budget() -> None:

@@ -76,7 +76,8 @@ def estimate(n: int, d: int, full: bool, measured: list[dict[str, Any]],
     """Predict ``key`` (``run_s`` or ``peak_rss_mib``) of cell (n, d, graph) from measured rows.
 
     Same n and graph at smaller d: linear in d through the two largest measured d (one
-    point: proportional to d, which overstates when fixed costs dominate). Else the same d
+    point: times the growth from that d to this one at the largest smaller n measured at
+    both, else proportional to d, which overstates when fixed costs dominate). Else the same d
     at the largest smaller n of that graph, scaled by the pairwise work n * k (k = n - 1 for
     the full graph, SecAgg+'s ``default_degree`` otherwise), the part that grows fastest.
     Rows of either dropout count; at each d the larger value is used. None: no basis.
@@ -96,6 +97,14 @@ def estimate(n: int, d: int, full: bool, measured: list[dict[str, Any]],
         return v2 + slope * (d - d2), f"linear in d through n={n} {graph} d={d1:g}, {d2:g}"
     if len(pts) == 1:
         d1, v1 = pts[0]
+        # how the same graph grew from d1 to d at a smaller n, else proportional to d
+        for n0 in sorted({r["clients"] for r in measured if r.get("clients", n) < n},
+                         reverse=True):
+            at = {r["dim"]: float(r[key]) for r in measured
+                  if r.get("clients") == n0 and r.get("full_graph") == full and key in r}
+            if d1 in at and d in at and at[d1] > 0:
+                return (v1 * at[d] / at[d1],
+                        f"n={n} {graph} d={d1:g} times the d={d1:g} -> {d:g} growth at n={n0}")
         return v1 * d / d1, f"proportional to d from n={n} {graph} d={d1:g}"
     smaller = [r for r in measured if r.get("full_graph") == full and r.get("dim") == d
                and key in r and r.get("clients", n) < n]
