@@ -59,7 +59,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal, TypeAlias
@@ -966,18 +966,25 @@ def choose_bits(
     Raises:
         ValueError: bad arguments, or more than 62 bits needed (the message says how many).
     """
+    return _smallest_bits(
+        lambda b: wrap_probability_bound(devices, dim, c, gamma, sigma, b, noise=noise),
+        wrap_probability,
+        f"devices={devices}, dim={dim}, c={c}, gamma={gamma}, sigma={sigma}; raise gamma "
+        f"or lower sigma",
+    )
+
+
+def _smallest_bits(bound: Callable[[int], float], wrap_probability: object, what: str) -> int:
+    """The smallest b in [2, 62] with ``bound(b) <= wrap_probability`` (bound falls in b)."""
     p = wrap_probability
     if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p < 1:
         raise ValueError(f"wrap_probability must be in (0, 1), got {p!r}")
     for b in range(2, 1025):
-        if wrap_probability_bound(devices, dim, c, gamma, sigma, b, noise=noise) <= p:
+        if bound(b) <= p:
             if b > MAX_BITS:
-                raise ValueError(
-                    f"wrap probability <= {p} needs {b} bits > {MAX_BITS} for devices="
-                    f"{devices}, dim={dim}, c={c}, gamma={gamma}, sigma={sigma}; raise gamma "
-                    f"or lower sigma"
-                )
-            return max(b, 2)
+                raise ValueError(f"wrap probability <= {p} needs {b} bits > {MAX_BITS} for "
+                                 f"{what}")
+            return b
     raise ValueError(  # pragma: no cover - only for absurd inputs (sums beyond 2^1024)
         f"no ring of up to 1024 bits keeps the wrap probability <= {p}"
     )
@@ -1051,17 +1058,8 @@ def choose_bits_bounded(
     Raises:
         ValueError: bad arguments, or more than 62 bits needed (the message says how many).
     """
-    p = wrap_probability
-    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p < 1:
-        raise ValueError(f"wrap_probability must be in (0, 1), got {p!r}")
-    for b in range(2, 1025):
-        if bounded_wrap_probability(max_abs_signal, devices, dim, sigma, b, noise=noise) <= p:
-            if b > MAX_BITS:
-                raise ValueError(
-                    f"wrap probability <= {p} needs {b} bits > {MAX_BITS} for max_abs_signal="
-                    f"{max_abs_signal}, devices={devices}, sigma={sigma}; raise gamma"
-                )
-            return b
-    raise ValueError(  # pragma: no cover - only for absurd inputs (sums beyond 2^1024)
-        f"no ring of up to 1024 bits keeps the wrap probability <= {p}"
+    return _smallest_bits(
+        lambda b: bounded_wrap_probability(max_abs_signal, devices, dim, sigma, b, noise=noise),
+        wrap_probability,
+        f"max_abs_signal={max_abs_signal}, devices={devices}, sigma={sigma}; raise gamma",
     )
