@@ -366,10 +366,16 @@ class NumpyEngine:
         self, params: Sequence[np.ndarray], x: np.ndarray, y: np.ndarray
     ) -> np.ndarray:
         """Unclipped per-sample gradients [B, d] in flat graph order (memory: B*d floats)."""
+        return self.per_sample_grads_and_losses(params, x, y)[0]
+
+    def per_sample_grads_and_losses(
+        self, params: Sequence[np.ndarray], x: np.ndarray, y: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`per_sample_grads` and each sample's cross-entropy loss [B], one pass."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         y = np.asarray(y, dtype=np.int64)
         _check_batch(self.spec, x, y)
-        pieces, _, _ = self._backward(_check_params(self.spec, params), x, y)
+        pieces, _, losses = self._backward(_check_params(self.spec, params), x, y)
         cols = []
         for pi in range(0, len(self.spec.param_shapes()), 2):
             kind, p1, p2 = pieces[pi]
@@ -377,7 +383,7 @@ class NumpyEngine:
                 cols += [np.einsum("bo,bi->boi", p1, p2).reshape(len(y), -1), p1]
             else:
                 cols += [p1.reshape(len(y), -1), p2]
-        return np.concatenate(cols, axis=1)
+        return np.concatenate(cols, axis=1), losses
 
     def logits(self, params: Sequence[np.ndarray], x: np.ndarray) -> np.ndarray:
         """Logits [B, num_classes] of a batch."""

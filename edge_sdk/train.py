@@ -404,10 +404,11 @@ def sample_grad_rows(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Each sample's (unclipped) gradient, restricted to ``coords``, one row per sample.
 
-    The engine's own per-sample gradients when it has them (``per_sample_grads``, the
-    numpy engine), else one unclipped batch-of-one call per sample (the ONNX graph only
-    returns clipped sums). The caller clips (:func:`edge_sdk.ddp.round_rows` does, in
-    float64, on exactly the kept coordinates it encodes).
+    The engine's own per-sample gradients and losses when it has them
+    (``per_sample_grads_and_losses``, the numpy engine), else one unclipped batch-of-one
+    call per sample (the ONNX graph only returns clipped sums). The caller clips
+    (:func:`edge_sdk.ddp.round_rows` does, in float64, on exactly the kept coordinates it
+    encodes).
 
     Args:
         params: the model (graph order).
@@ -417,13 +418,11 @@ def sample_grad_rows(
     Returns:
         (rows, losses): float32 (B, k) gradients and the per-sample losses (B,).
     """
-    per_sample = getattr(engine, "per_sample_grads", None)
+    per_sample = getattr(engine, "per_sample_grads_and_losses", None)
     if per_sample is not None:
-        grads = np.asarray(per_sample(params, x, y), dtype=np.float32)
-        logits = np.asarray(engine.logits(params, x), dtype=np.float64)
-        top = logits.max(axis=1)
-        losses = (top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
-                  - logits[np.arange(len(y)), np.asarray(y, dtype=np.int64)])
+        grads, losses = per_sample(params, x, y)
+        grads = np.asarray(grads, dtype=np.float32)
+        losses = np.asarray(losses, dtype=np.float64)
     else:
         grads = np.empty((len(y), sum(p.size for p in params)), dtype=np.float32)
         losses = np.empty(len(y), dtype=np.float64)
