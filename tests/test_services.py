@@ -309,6 +309,12 @@ def _secagg_kind(topic: str, payload: bytes) -> str | None:
     return msgpack.unpackb(msgpack.unpackb(payload)["data"])["kind"]
 
 
+def _model_version(payload: bytes) -> int:
+    msg = wire.decode(payload)
+    assert isinstance(msg, wire.ModelUpdate), msg
+    return msg.version
+
+
 # The message each stage of a round sends the devices: frozen on it, they cannot answer
 # and the aggregator stays in that stage.
 STAGE_TRIGGERS: dict[str, Callable[[str, bytes], bool]] = {
@@ -316,7 +322,10 @@ STAGE_TRIGGERS: dict[str, Callable[[str, bytes], bool]] = {
     "collect_shares": lambda t, p: _secagg_kind(t, p) == "neighbour_keys",
     "collect_masked": lambda t, p: _secagg_kind(t, p) == "forwarded_shares",
     "collect_unmask": lambda t, p: _secagg_kind(t, p) == "unmask_request",
-    "idle": lambda t, p: t == wire.model_topic(FLEET),
+    # only a model newer than v0: every restarted aggregator re-publishes the retained
+    # model it holds, and freezing on that v0 would stop devices before they answer the
+    # requests the restart re-sends (the round would then fail at its deadline)
+    "idle": lambda t, p: t == wire.model_topic(FLEET) and _model_version(p) >= 1,
 }
 
 
