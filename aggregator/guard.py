@@ -22,11 +22,12 @@ What was weighed (numbers from ``tests/test_flood_mqtt.py`` and the report of is
   (``tools.broker.write_broker_config``): the queue must hold what arrives between the
   flood's start and the unsubscribe taking effect.
 * **Draining fast and dropping early** (:class:`FloodGuard`): each enrolled device has a
-  token bucket (``burst`` messages, refilled at ``rate`` per second, on the clock the
-  machine is driven with, so deterministic). A device that empties it is quarantined for
-  the round (``aggregator.rounds.RoundMachine``): named once in the log and metrics, its
-  further messages dropped before any decoding (a dictionary lookup each), its place in the
-  round treated as a dropout that secure aggregation recovers, its subscriptions removed.
+  token bucket (``burst`` tokens, refilled at ``rate`` per second, on the clock the
+  machine is driven with, so deterministic; a message takes 1 token plus 1 per MiB). A
+  device that empties it is quarantined for the round (``aggregator.rounds``): named once
+  in the log and metrics, its further messages dropped before any decoding (a dictionary
+  lookup each), its place in the round treated as a dropout that secure aggregation
+  recovers, its subscriptions removed.
   A well-behaved device sends a handful of messages per round (check-ins, one answer per
   stage, its upload chunks, the answers to re-sent requests), far below the defaults.
 * **The rejection log** (:class:`LogLimiter`): at most ``per_key`` lines per (device,
@@ -40,7 +41,7 @@ import math
 import re
 from dataclasses import dataclass
 
-__all__ = ["FloodGuard", "FloodLimits", "LogLimiter", "Suppressed", "reason_class"]
+__all__ = ["FloodGuard", "FloodLimits", "LogLimiter", "Suppressed", "cost", "reason_class"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +63,13 @@ class FloodLimits:
             raise ValueError(f"rate must be finite and > 0 messages/s, got {self.rate!r}")
 
 
+def cost(size: int) -> int:
+    """Tokens one message of ``size`` payload bytes takes: 1 plus 1 per whole MiB, so a
+    flood of large packets is cut after as many bytes as many small ones would be (about
+    ``burst`` MiB), while a device's chunked upload of a large model still fits a burst."""
+    return 1 + (size >> 20)
+
+
 class FloodGuard:
     """One token bucket per device; ``admit`` says whether a message is within the limits.
 
@@ -72,15 +80,17 @@ class FloodGuard:
         self.limits = limits
         self._buckets: dict[str, tuple[float, float]] = {}  # device -> (tokens, at time)
 
-    def admit(self, device: str, now: float) -> bool:
-        """Take one token from ``device``'s bucket at time ``now`` (seconds); False if empty."""
+    def admit(self, device: str, now: float, size: int = 0) -> bool:
+        """Take the tokens of one message of ``size`` payload bytes (:func:`cost`) from
+        ``device``'s bucket at time ``now`` (seconds); False, taking none, if too few."""
         lim = self.limits
+        need = cost(size)
         tokens, at = self._buckets.get(device, (float(lim.burst), now))
         tokens = min(float(lim.burst), tokens + max(0.0, now - at) * lim.rate)
-        if tokens < 1.0:
+        if tokens < need:
             self._buckets[device] = (tokens, now)
             return False
-        self._buckets[device] = (tokens - 1.0, now)
+        self._buckets[device] = (tokens - need, now)
         return True
 
     def reset(self, device: str) -> None:

@@ -538,7 +538,7 @@ class RoundMachine:
             if device in self._quarantine:
                 self._dropped[device] = self._dropped.get(device, 0) + 1
                 return []
-            if not self._guard.admit(device, now):
+            if not self._guard.admit(device, now, len(payload)):
                 return self._quarantine_device(device, now)
         try:
             return self._handle(topic, payload, now)
