@@ -12,10 +12,14 @@ One :class:`RoundMachine` runs a fleet's rounds (DESIGN, "One round, as data flo
 
 A stage closes as soon as every device still expected has answered, or at its deadline
 (``policy.stage_timeout`` after it opened); devices missing then are dropped and the
-secure-aggregation protocol recovers them. A round in which fewer than
-``policy.min_survivors`` devices remain at any stage, or which ``SecAggServer`` cannot
-finish (:class:`edge_sdk.secagg.RoundFailed`), fails cleanly: nothing is unmasked, the
-cohort gets an ``ErrorNotice("round_failed")`` and the next round proceeds.
+secure-aggregation protocol recovers them. While a stage is open, its requests are sent
+again to the devices that have not answered, every ``stage_timeout / 4`` (at most
+``_RESENDS`` times, on the clock the machine is driven with): devices answer an exact
+duplicate with the same answer, so a message the broker dropped costs a retry, not a round.
+A round in which fewer than ``policy.min_survivors`` devices remain at any stage, or
+which ``SecAggServer`` cannot finish (:class:`edge_sdk.secagg.RoundFailed`), fails
+cleanly: nothing is unmasked, the cohort gets an ``ErrorNotice("round_failed")`` and the
+next round proceeds.
 
 Driving it (the MQTT service, or the tests' in-memory broker)::
 
@@ -29,6 +33,17 @@ Every inbound message is validated (wire structure, topic = sender, enrolled dev
 signature, round, stage, cohort membership, sizes); a bad one is logged (logger
 ``aggregator.rounds``, ``extra={"fedge": {...}}``) and changes nothing: no exception ever
 leaves :meth:`RoundMachine.on_message`.
+
+Isolation between devices (``aggregator.guard``, which says why this design): every
+enrolled device's messages pass a token bucket (:class:`~aggregator.guard.FloodLimits`)
+before anything is decoded. A device that exceeds it is quarantined until the round open
+then (or, when idle, the next round) has ended: its messages are dropped unread, it no
+longer holds a stage open (secure aggregation recovers it as a dropout), and it is not
+selected. The machine tells its driver what happened as events (:meth:`take_events`):
+:class:`Quarantined`, :class:`Released`, :class:`Resent`, :class:`StatusSeen`; the MQTT
+service turns them into log lines, metrics and (un)subscriptions
+(``subscriptions(per_device=True)`` lists per-device filters, so that unsubscribing one
+device makes the broker discard its traffic).
 
 Persistence: :meth:`RoundMachine.snapshot` is the complete state as bytes (model,
 optimizer state, check-ins, the round with its secure-aggregation server); the injected
@@ -45,6 +60,7 @@ import dataclasses
 import logging
 import math
 import os
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +68,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from aggregator.guard import FloodGuard, FloodLimits
 from aggregator.optimizers import OPTIMIZERS
 from aggregator.secure_sum import SecAggServer, ServerStage
 from edge_sdk import compress, secagg, wire
@@ -74,13 +91,26 @@ from edge_sdk.wire import (
     WireArray,
 )
 
-__all__ = ["AggregatorError", "RoundMachine", "RoundOutcome", "RoundPolicy", "SnapshotError"]
+__all__ = [
+    "AggregatorError",
+    "Event",
+    "Quarantined",
+    "Released",
+    "Resent",
+    "RoundMachine",
+    "RoundOutcome",
+    "RoundPolicy",
+    "SnapshotError",
+    "StatusSeen",
+]
 
 logger = logging.getLogger("aggregator.rounds")
 
 SNAPSHOT_FORMAT = "fedge-rounds"
 SNAPSHOT_VERSION = 1
 _HISTORY = 32  # outcomes kept (the snapshot stays bounded over a long-lived fleet)
+_RESENDS = 3  # re-sends of a stage's requests, at 1/4, 2/4 and 3/4 of its timeout
+_EVENTS = 4096  # events kept for a driver that does not take them (oldest dropped)
 
 
 class AggregatorError(Exception):
@@ -212,6 +242,10 @@ class RoundOutcome:
         detail: why it failed ("" when completed).
         total: the unmasked integer sum mod 2^bits (None when failed).
         model_version: the model version after the round.
+        uploaded: the devices whose masked upload the aggregator accepted; each reserved
+            privacy budget for the round before uploading (``edge_sdk.session``), so on a
+            failed round this is budget spent for nothing (a lower bound: an upload lost
+            on the way is not counted).
     """
 
     round_id: int
@@ -220,6 +254,49 @@ class RoundOutcome:
     detail: str
     total: np.ndarray | None
     model_version: int
+    uploaded: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Quarantined:
+    """``device`` exceeded its flood limits; its messages are dropped until round
+    ``until_round`` has ended. ``round_id``: the open round (None when idle)."""
+
+    device: str
+    round_id: int | None
+    until_round: int
+    stage: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Released:
+    """``device``'s quarantine ended; ``dropped`` messages were discarded during it."""
+
+    device: str
+    dropped: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Resent:
+    """The open stage's requests were sent again to ``devices`` (re-send ``attempt``)."""
+
+    round_id: int
+    stage: str
+    devices: tuple[str, ...]
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StatusSeen:
+    """A message on ``device``'s status topic (``status``: its payload, at most 64
+    characters); ``removed``: it took the device's check-in away."""
+
+    device: str
+    status: str
+    removed: bool
+
+
+Event = Quarantined | Released | Resent | StatusSeen
 
 
 @dataclass(slots=True)
@@ -233,6 +310,8 @@ class _Round:
     log: list[tuple[str, bytes]]
     outbox: list[Publish]
     reassembler: wire.Reassembler
+    next_resend: float = math.inf
+    resends: int = 0
 
 
 _CLOSES = {
@@ -263,6 +342,22 @@ def _tree_rebuild(template: Any, leaves: list[np.ndarray]) -> Any:
     return type(template)(items)
 
 
+def _down_device(topic: str) -> str:
+    """The device of a ``wire.device_down_topic`` (``fedge/<fleet>/dev/<device>/down/...``)."""
+    return topic.split("/", 4)[3]
+
+
+def _topic_device(topic: str, fleet: str) -> str | None:
+    """The device an uplink or status topic of ``fleet`` belongs to (cheap: no decoding)."""
+    parts = topic.split("/", 5)
+    if len(parts) >= 4 and parts[0] == "fedge" and parts[1] == fleet:
+        if parts[2] == "dev" and len(parts) == 6 and parts[4] == "up":
+            return parts[3]
+        if parts[2] == "status" and len(parts) == 4:
+            return parts[3]
+    return None
+
+
 def _parse_topic(topic: str, fleet: str) -> tuple[str, str, str] | None:
     """("up", device, kind) of an uplink topic, ("status", device, "") of a status topic."""
     parts = topic.split("/")
@@ -289,6 +384,7 @@ class RoundMachine:
             round would start; the round waits while it returns False. None: no gate. A
             fleet simulator uses it to start rounds only once every live device checked in,
             so that the cohort does not depend on message timing.
+        limits: per-device flood limits (``aggregator.guard.FloodLimits()`` by default).
     """
 
     def __init__(
@@ -301,6 +397,7 @@ class RoundMachine:
         random_bytes: Callable[[int], bytes] = os.urandom,
         checkpoint: Callable[[bytes], None] | None = None,
         start_gate: Callable[[Mapping[str, CheckIn]], bool] | None = None,
+        limits: FloodLimits | None = None,
     ) -> None:
         if registry.aggregator_key != identity.public_key:
             raise ValueError("the registry's aggregator key is not this identity's")
@@ -324,6 +421,10 @@ class RoundMachine:
         self._model_round = 0
         self._model_msg = self._sign_model(0)
         self._restored = False
+        self._guard = FloodGuard(limits if limits is not None else FloodLimits())
+        self._quarantine: dict[str, int] = {}  # device -> the round its quarantine outlasts
+        self._dropped: dict[str, int] = {}  # device -> messages dropped in its quarantine
+        self._events: deque[Event] = deque(maxlen=_EVENTS)
 
     # ------------------------------------------------------------------ properties
 
@@ -363,12 +464,33 @@ class RoundMachine:
     def dimension(self) -> int:
         return sum(p.size for p in self._params)
 
+    @property
+    def quarantined(self) -> frozenset[str]:
+        """The devices whose messages are dropped unread (until their round has ended)."""
+        return frozenset(self._quarantine)
+
+    def take_events(self) -> list[Event]:
+        """What happened since the last call (oldest first), and forget it."""
+        out = list(self._events)
+        self._events.clear()
+        return out
+
     # ------------------------------------------------------------------ endpoint
 
-    def subscriptions(self) -> list[str]:
-        """MQTT topic filters: every device's uplink and status."""
+    def subscriptions(self, *, per_device: bool = False) -> list[str]:
+        """MQTT topic filters: every device's uplink and status; ``per_device``: one pair
+        of filters per enrolled device not in quarantine (so that a broker discards a
+        quarantined device's messages once its filters are unsubscribed)."""
         root = wire.fleet_topic(self.policy.fleet)
-        return [f"{root}/dev/+/up/+", f"{root}/status/+"]
+        if not per_device:
+            return [f"{root}/dev/+/up/+", f"{root}/status/+"]
+        return [f for dev in sorted(self._reg.devices) if dev not in self._quarantine
+                for f in self.device_subscriptions(dev)]
+
+    def device_subscriptions(self, device: str) -> list[str]:
+        """The per-device filters of ``device`` (see :meth:`subscriptions`)."""
+        root = wire.fleet_topic(self.policy.fleet)
+        return [f"{root}/dev/{device}/up/+", f"{root}/status/{device}"]
 
     def on_connect(self, now: float) -> list[Publish]:
         """(Re)connected: the retained model, and the open stage's messages again (after a
@@ -377,19 +499,47 @@ class RoundMachine:
         if self._round is not None:
             if self._restored:  # the old process's clock means nothing here
                 self._round.deadline = now + self.policy.stage_timeout
+            self._round.next_resend = now + self._resend_every()
             out += self._round.outbox
         self._restored = False
         return out + self._maybe_start(now)
 
     def on_tick(self, now: float) -> list[Publish]:
-        """Deadlines and round starts."""
+        """Deadlines, re-sends to devices that have not answered, round starts."""
         r = self._round
-        if r is not None and now >= r.deadline and not self._restored:
-            return self._close_stage(now, why="deadline")
+        if r is not None and not self._restored:
+            if now >= r.deadline:
+                return self._close_stage(now, why="deadline")
+            if now >= r.next_resend and r.resends < _RESENDS:
+                return self._resend(r, now)
         return self._maybe_start(now)
+
+    def _resend_every(self) -> float:
+        return self.policy.stage_timeout / (_RESENDS + 1)
+
+    def _resend(self, r: _Round, now: float) -> list[Publish]:
+        r.resends += 1
+        r.next_resend = now + self._resend_every()
+        pending = self._pending(r)
+        out = [p for p in r.outbox if _down_device(p.topic) in pending]
+        if out:
+            devices = tuple(sorted({_down_device(p.topic) for p in out}))
+            self._events.append(Resent(round_id=r.plan.round_id, stage=r.stage.value,
+                                       devices=devices, attempt=r.resends))
+            logger.info("round %d: %s requests sent again to %d devices (attempt %d)",
+                        r.plan.round_id, r.stage.value, len(devices), r.resends)
+        return out
 
     def on_message(self, topic: str, payload: bytes, now: float) -> list[Publish]:
         """One inbound message. Never raises: a bad message is logged and changes nothing."""
+        device = _topic_device(topic, self.policy.fleet)
+        if device is not None and device in self._reg.devices:
+            # before any decoding: a flood costs a lookup per message, not a parse
+            if device in self._quarantine:
+                self._dropped[device] = self._dropped.get(device, 0) + 1
+                return []
+            if not self._guard.admit(device, now, len(payload)):
+                return self._quarantine_device(device, now)
         try:
             return self._handle(topic, payload, now)
         except ReplayedMessage as e:  # QoS 1 redelivery: expected, harmless
@@ -401,6 +551,32 @@ class RoundMachine:
         return []
 
     # ------------------------------------------------------------------ inbound
+
+    def _quarantine_device(self, device: str, now: float) -> list[Publish]:
+        r = self._round
+        until = r.plan.round_id if r is not None else self._last_round + 1
+        self._quarantine[device] = until
+        self._dropped[device] = 1
+        self._available.pop(device, None)
+        lim = self._guard.limits
+        self._events.append(Quarantined(device=device, round_id=None if r is None
+                                        else r.plan.round_id, until_round=until,
+                                        stage=self.stage))
+        logger.warning("%s quarantined until round %d has ended: more than %d messages at "
+                       "once or %g per second", device, until, lim.burst, lim.rate,
+                       extra={"fedge": {"event": "quarantined", "device": device,
+                                        "until_round": until}})
+        return self._maybe_close(now)  # it no longer holds the stage open
+
+    def _release(self, ended_round: int) -> None:
+        for device, until in sorted(self._quarantine.items()):
+            if until <= ended_round:
+                del self._quarantine[device]
+                self._guard.reset(device)
+                dropped = self._dropped.pop(device, 0)
+                self._events.append(Released(device=device, dropped=dropped))
+                logger.info("%s released from quarantine (%d messages dropped)", device,
+                            dropped)
 
     def _reject(self, topic: str, reason: str) -> None:
         logger.warning("rejected message on %s: %s", topic, reason, extra={"fedge": {
@@ -415,8 +591,13 @@ class RoundMachine:
         if device not in self._reg.devices:
             raise RemoteProtocolError(f"message from outsider {device!r}")
         if where == "status":
-            if bytes(payload) == b"offline" and device in self._available:
+            removed = bytes(payload) == b"offline" and device in self._available
+            if removed:
                 del self._available[device]
+            status = bytes(payload[:64]).decode("utf-8", errors="replace")
+            self._events.append(StatusSeen(device=device, status=status, removed=removed))
+            logger.info("%s status %r%s", device, status,
+                        " (its check-in is withdrawn)" if removed else "")
             return []
         msg = wire.decode(payload)
         if msg.KIND != kind:
@@ -504,7 +685,10 @@ class RoundMachine:
             got = set(r.server.survivors)
         else:
             got = set(r.server._responses)  # noqa: SLF001
-        return r.expected - r.declined - got
+        return r.expected - r.declined - got - self._quarantine.keys()
+
+    def _answered(self, r: _Round) -> int:
+        return len(r.expected - r.declined - self._quarantine.keys() - self._pending(r))
 
     def _maybe_close(self, now: float) -> list[Publish]:
         r = self._round
@@ -515,7 +699,7 @@ class RoundMachine:
     def _close_stage(self, now: float, why: str) -> list[Publish]:
         r = self._round
         assert r is not None
-        have = len(r.expected - r.declined - self._pending(r))
+        have = self._answered(r)
         need = r.plan.min_survivors
         # recovery needs t answers per neighbourhood, not min_survivors: finalize() judges
         if r.stage is not ServerStage.COLLECT_UNMASK and have < need:
@@ -531,6 +715,8 @@ class RoundMachine:
         r.stage = r.server.stage
         r.expected = set(out)
         r.deadline = now + self.policy.stage_timeout
+        r.next_resend = now + self._resend_every()
+        r.resends = 0
         fleet = self.policy.fleet
         r.outbox = [Publish(wire.device_down_topic(fleet, dev, "secagg"),
                             wire.encode(SecAggPacket.wrap(m))) for dev, m in sorted(out.items())]
@@ -569,13 +755,15 @@ class RoundMachine:
         self._model_round = plan.round_id
         self._model_msg = self._sign_model(plan.round_id)
         self._record(RoundOutcome(round_id=plan.round_id, completed=True, survivors=survivors,
-                                  detail="", total=total, model_version=self._version))
+                                  detail="", total=total, model_version=self._version,
+                                  uploaded=survivors))
         logger.info("round %d done: %d survivors, model version %d", plan.round_id,
                     len(survivors), self._version, extra={"fedge": {
                         "event": "round_done", "round": plan.round_id,
                         "survivors": len(survivors), "version": self._version}})
         self._round = None
         self._startable_since = None
+        self._release(plan.round_id)
         self._save()
         return [self._model_publish()]
 
@@ -583,8 +771,11 @@ class RoundMachine:
         r = self._round
         assert r is not None
         plan = r.plan
+        uploaded = (r.server.survivors if r.stage in (ServerStage.COLLECT_MASKED,
+                                                       ServerStage.COLLECT_UNMASK) else ())
         self._record(RoundOutcome(round_id=plan.round_id, completed=False, survivors=(),
-                                  detail=reason, total=None, model_version=self._version))
+                                  detail=reason, total=None, model_version=self._version,
+                                  uploaded=tuple(uploaded)))
         logger.warning("round %d failed: %s", plan.round_id, reason, extra={"fedge": {
             "event": "round_failed", "round": plan.round_id, "reason": reason}})
         self._round = None
@@ -596,6 +787,7 @@ class RoundMachine:
                                                       detail=reason[:256]), self._idn)))
             for dev in plan.cohort if dev not in r.declined
         ]
+        self._release(plan.round_id)
         self._save()
         return out
 
@@ -653,7 +845,8 @@ class RoundMachine:
         self._round = _Round(plan=plan, server=server, stage=server.stage,
                              deadline=now + pol.stage_timeout, expected=set(cohort),
                              declined=set(), log=[], outbox=outbox,
-                             reassembler=wire.Reassembler(max_pending=n))
+                             reassembler=wire.Reassembler(max_pending=n),
+                             next_resend=now + self._resend_every())
         self._last_round = round_id
         for dev in cohort:  # they check in again when the round is over
             self._available.pop(dev, None)
@@ -695,9 +888,11 @@ class RoundMachine:
             "startable_since": self._startable_since,
             "history": [
                 [o.round_id, o.completed, list(o.survivors), o.detail,
-                 None if o.total is None else WireArray.of(o.total).to_wire(), o.model_version]
+                 None if o.total is None else WireArray.of(o.total).to_wire(), o.model_version,
+                 list(o.uploaded)]
                 for o in self._history
             ],
+            "quarantine": sorted([d, u] for d, u in self._quarantine.items()),
             "round": None if r is None else {
                 "plan": wire.encode(r.plan),
                 "stage": r.stage.value,
@@ -722,9 +917,11 @@ class RoundMachine:
         random_bytes: Callable[[int], bytes] = os.urandom,
         checkpoint: Callable[[bytes], None] | None = None,
         start_gate: Callable[[Mapping[str, CheckIn]], bool] | None = None,
+        limits: FloodLimits | None = None,
     ) -> RoundMachine:
-        """A machine in exactly the state :meth:`snapshot` captured (``start_gate`` as in
-        the constructor; it is not part of the snapshot).
+        """A machine in exactly the state :meth:`snapshot` captured (``start_gate`` and
+        ``limits`` as in the constructor; they are not part of the snapshot, nor are the
+        flood buckets' levels).
 
         Call :meth:`on_connect` first: it re-sends the open stage's messages and restarts
         the stage's deadline on this process's clock.
@@ -736,6 +933,8 @@ class RoundMachine:
             s = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
             m = cls._restore(s, policy, identity, registry, random_bytes, checkpoint)
             m._start_gate = start_gate
+            if limits is not None:
+                m._guard = FloodGuard(limits)
             return m
         except SnapshotError:
             raise
@@ -773,9 +972,12 @@ class RoundMachine:
             RoundOutcome(round_id=h[0], completed=h[1], survivors=tuple(h[2]), detail=h[3],
                          total=None if h[4] is None else
                          WireArray.from_wire("snapshot", h[4], lim).to_numpy(),
-                         model_version=h[5])
+                         model_version=h[5], uploaded=tuple(h[6]) if len(h) > 6 else ())
             for h in s["history"]
         ]
+        # absent from snapshots taken before quarantines existed
+        m._quarantine = {d: u for d, u in s.get("quarantine", [])}
+        m._dropped = dict.fromkeys(m._quarantine, 0)
         m._model_round = s["model_round"]
         m._model_msg = m._sign_model(m._model_round)
         rs = s["round"]

@@ -23,9 +23,18 @@ Observability:
   time) and ``event``: ``start`` (resumed, round, stage, model_version, metrics_port),
   ``stage`` (round, stage, prev, prev_s: seconds in the previous stage, round_s),
   ``round_end`` (round, completed, cohort, survivors, declined, dropped, bytes_in,
-  bytes_out, duration_s, model_version, detail), ``rejected`` (topic, reason, round,
-  stage: every refused inbound message, from ``aggregator.rounds``), ``declined``
-  (device, round, reason), ``stop``.
+  bytes_out, duration_s, model_version, detail, uploaded: devices whose upload was
+  accepted, i.e. who spent budget on the round), ``rejected`` and ``duplicate`` (topic,
+  reason, round, stage: refused inbound messages, from ``aggregator.rounds``; at most
+  ``log_per_key`` lines per device and reason class per ``log_interval_s``, then one
+  ``suppressed`` line per key and interval with the count not written), ``declined``
+  (device, round, reason), ``status`` (device, status, removed: every message on a
+  device's status topic), ``quarantined`` (device, round, until_round, stage: a device
+  over its flood limits, see ``aggregator.guard``), ``released`` (device, dropped),
+  ``resent`` (round, stage, devices, attempt), ``stop`` (with ``max_rss_kib``, the
+  process's peak resident memory).
+* The service subscribes per device and unsubscribes a quarantined device's filters, so
+  the broker discards its traffic until the quarantine ends (``aggregator.guard``).
 * Prometheus text exposition (``prometheus-client``, the ``gateway`` extra) on
   ``metrics_host:metrics_port`` when a port is configured (0: any free port).
 
@@ -49,7 +58,15 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from aggregator.rounds import RoundMachine, RoundPolicy
+from aggregator.guard import FloodLimits, LogLimiter, Suppressed
+from aggregator.rounds import (
+    Quarantined,
+    Released,
+    Resent,
+    RoundMachine,
+    RoundPolicy,
+    StatusSeen,
+)
 from aggregator.store import CheckpointStore
 from edge_sdk import wire
 from edge_sdk.device import (
@@ -88,6 +105,10 @@ class AggregatorConfig:
         metrics_port: Prometheus endpoint port (None: none; 0: any free port);
             metrics_host: its address.
         tick_s: how often deadlines are checked.
+        flood_burst, flood_rate: per-device flood limits (``aggregator.guard.FloodLimits``;
+            the ``[limits]`` table's ``burst`` and ``rate``).
+        log_interval_s, log_per_key: the rejection log's rate limit (``[limits]``
+            ``log_interval_s``, ``log_per_key``).
     """
 
     fleet: str
@@ -109,6 +130,10 @@ class AggregatorConfig:
     keepalive_s: int = 30
     backoff_initial_s: float = 0.25
     backoff_max_s: float = 10.0
+    flood_burst: int = 200  # FloodLimits defaults
+    flood_rate: float = 20.0
+    log_interval_s: float = 10.0
+    log_per_key: int = 5
 
     def __post_init__(self) -> None:
         try:
@@ -125,6 +150,14 @@ class AggregatorConfig:
             raise ConfigError(f"metrics port must be in 0..65535, got {self.metrics_port!r}")
         if not (math.isfinite(self.tick_s) and self.tick_s > 0):
             raise ConfigError(f"tick_s must be > 0, got {self.tick_s!r}")
+        try:
+            self.limits()
+            LogLimiter(interval_s=self.log_interval_s, per_key=self.log_per_key)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"[limits]: {e}") from None
+
+    def limits(self) -> FloodLimits:
+        return FloodLimits(burst=self.flood_burst, rate=self.flood_rate)
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> AggregatorConfig:
@@ -142,6 +175,11 @@ class AggregatorConfig:
             password_file = "password"
             [metrics]
             port = 9464
+            [limits]                     # optional; these are the defaults
+            burst = 200                  # messages a device may send at once
+            rate = 20.0                  # ... and per second (beyond: quarantined)
+            log_interval_s = 10.0        # rejection log: at most log_per_key lines per
+            log_per_key = 5              # device and reason per interval
             [policy]                     # aggregator.rounds.RoundPolicy fields
             cohort_size = 10
             stage_timeout = 30.0
@@ -154,6 +192,8 @@ class AggregatorConfig:
                                                "backoff_initial_s", "backoff_max_s"},
                       f"{path} [broker]")
         metrics = take(data.pop("metrics", {}), {"port", "host"}, f"{path} [metrics]")
+        limits = take(data.pop("limits", {}), {"burst", "rate", "log_interval_s",
+                                               "log_per_key"}, f"{path} [limits]")
         top = take(data, {"fleet", "identity", "registry", "checkpoint", "model", "manifest",
                           "model_seed", "tick_s"}, str(path))
         values: dict[str, Any] = dict(top)
@@ -172,6 +212,10 @@ class AggregatorConfig:
             values["metrics_port"] = metrics["port"]
         if "host" in metrics:
             values["metrics_host"] = metrics["host"]
+        for key, field in (("burst", "flood_burst"), ("rate", "flood_rate"),
+                           ("log_interval_s", "log_interval_s"), ("log_per_key", "log_per_key")):
+            if key in limits:
+                values[field] = limits[key]
         missing = [k for k in ("fleet", "broker_port", "password_file", "identity", "registry",
                                "checkpoint") if values.get(k) is None]
         if missing:
@@ -183,6 +227,20 @@ class AggregatorConfig:
             raise
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{path}: {e}") from None
+
+
+def _peak_rss_kib() -> int | None:
+    """This process's peak resident set (KiB), from /proc (None elsewhere). Not
+    ``getrusage``'s ``ru_maxrss``: Linux keeps that across ``execve``, so a process started
+    from a large parent reports the parent's size."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 class _Metrics:
@@ -215,6 +273,22 @@ class _Metrics:
         self.sent = Counter(p + "sent_bytes", "Payload bytes handed to MQTT", registry=r)
         self.messages = Counter(p + "received_messages", "Messages received", registry=r)
         self.connected = Gauge(p + "connected", "1 while connected to the broker", registry=r)
+        self.quarantined = Counter(p + "quarantined", "Quarantines for exceeding the flood "
+                                   "limits, by device", ["device"], registry=r)
+        self.in_quarantine = Gauge(p + "devices_in_quarantine",
+                                   "Devices whose messages are being dropped", registry=r)
+        self.flood_dropped = Counter(p + "flood_dropped_messages", "Messages dropped unread "
+                                     "from quarantined devices (counted at release)",
+                                     ["device"], registry=r)
+        self.resent = Counter(p + "resent_requests", "Stage requests sent again to devices "
+                              "that had not answered", registry=r)
+        self.status = Counter(p + "status_messages", "Messages on devices' status topics",
+                              ["status"], registry=r)
+        self.failed_uploads = Counter(p + "failed_round_uploads", "Uploads accepted in rounds "
+                                      "that then failed: budget devices spent for nothing",
+                                      registry=r)
+        self.suppressed = Counter(p + "suppressed_log_lines", "Rejection log lines not "
+                                  "written (rate limit)", registry=r)
         for s in _STAGES:
             self.stage.labels(stage=s).set(0)
         self._server: Any = None
@@ -259,10 +333,13 @@ class _Observed:
         self._s = service
 
     def subscriptions(self) -> list[str]:
-        return self._s.machine.subscriptions()
+        return self._s.machine.subscriptions(per_device=True)
 
     def on_connect(self, now: float) -> list[Publish]:
         self._s.metrics.connected.set(1)
+        # a session kept from a version that subscribed with wildcards would still route a
+        # quarantined device's messages here
+        self._s.loop.unsubscribe(self._s.config.username, self._s.machine.subscriptions())
         return self._s._after(self._s.machine.on_connect(now), now)  # noqa: SLF001
 
     def on_message(self, topic: str, payload: bytes, now: float) -> list[Publish]:
@@ -272,6 +349,7 @@ class _Observed:
         return self._s._after(self._s.machine.on_message(topic, payload, now), now)  # noqa: SLF001
 
     def on_tick(self, now: float) -> list[Publish]:
+        self._s._suppressed(self._s._limiter.flush(now))  # noqa: SLF001
         return self._s._after(self._s.machine.on_tick(now), now)  # noqa: SLF001
 
 
@@ -312,7 +390,7 @@ class AggregatorService:
         if self.resumed:
             self.machine = RoundMachine.restore(
                 self.store.load(), policy=config.policy, identity=identity, registry=registry,
-                random_bytes=random_bytes, checkpoint=self.store.save)
+                random_bytes=random_bytes, checkpoint=self.store.save, limits=config.limits())
             shapes = [p.shape for p in self.machine.params]
             if shapes != [s for _, s in spec.param_shapes()]:
                 raise ConfigError(f"{config.checkpoint}: holds a model of shapes {shapes}, "
@@ -321,12 +399,15 @@ class AggregatorService:
             params = init_params(spec, np.random.default_rng(config.model_seed))
             self.machine = RoundMachine(policy=config.policy, identity=identity,
                                         registry=registry, params=params,
-                                        random_bytes=random_bytes, checkpoint=self.store.save)
+                                        random_bytes=random_bytes, checkpoint=self.store.save,
+                                        limits=config.limits())
         self.metrics = _Metrics()
         self.metrics_port: int | None = None
         self._bytes_in = self._bytes_out = 0
         self._round_bytes = (0, 0)
         self._declined: dict[int, int] = {}
+        self._limiter = LogLimiter(interval_s=config.log_interval_s,
+                                   per_key=config.log_per_key)
         now = clock()
         plan = self.machine.current_plan
         self._seen = (None if plan is None else plan.round_id, self.machine.stage)
@@ -392,8 +473,10 @@ class AggregatorService:
             self.loop.close(timeout)
         finally:
             self._detach()
+            self._suppressed(self._limiter.flush(math.inf))
             self.log({"event": "stop", "round": self._seen[0], "stage": self.machine.stage,
-                      "model_version": self.machine.model_version})
+                      "model_version": self.machine.model_version,
+                      "max_rss_kib": _peak_rss_kib()})
 
     def _detach(self) -> None:
         logging.getLogger("aggregator.rounds").removeHandler(self._handler)
@@ -415,9 +498,47 @@ class AggregatorService:
     def _peer_event(self, info: dict[str, Any]) -> None:
         if info["event"] in ("rejected", "duplicate"):
             self.metrics.rejected.inc()
+            topic = str(info.get("topic", ""))
+            parts = topic.split("/")
+            device = parts[3] if len(parts) > 3 and parts[0] == "fedge" else "?"
+            write, done = self._limiter.admit(
+                device, f"{info['event']}: {info.get('reason', '')}", self._clock())
+            self._suppressed(done)
+            if not write:
+                self.metrics.suppressed.inc()
+                return
         elif info["event"] == "declined" and isinstance(info.get("round"), int):
             self._declined[info["round"]] = self._declined.get(info["round"], 0) + 1
         self.log(info)
+
+    def _suppressed(self, done: list[Suppressed]) -> None:
+        for s in done:
+            self.log({"event": "suppressed", "device": s.device, "reason": s.reason,
+                      "count": s.count, "interval_s": s.interval_s})
+
+    def _machine_events(self) -> None:
+        agg = self.config.username
+        for ev in self.machine.take_events():
+            if isinstance(ev, Quarantined):
+                self.metrics.quarantined.labels(device=ev.device).inc()
+                self.loop.unsubscribe(agg, self.machine.device_subscriptions(ev.device))
+                self.log({"event": "quarantined", "device": ev.device, "round": ev.round_id,
+                          "until_round": ev.until_round, "stage": ev.stage,
+                          "burst": self.config.flood_burst, "rate": self.config.flood_rate})
+            elif isinstance(ev, Released):
+                self.metrics.flood_dropped.labels(device=ev.device).inc(ev.dropped)
+                self.loop.subscribe(agg, self.machine.device_subscriptions(ev.device))
+                self.log({"event": "released", "device": ev.device, "dropped": ev.dropped})
+            elif isinstance(ev, Resent):
+                self.metrics.resent.inc(len(ev.devices))
+                self.log({"event": "resent", "round": ev.round_id, "stage": ev.stage,
+                          "devices": list(ev.devices), "attempt": ev.attempt})
+            elif isinstance(ev, StatusSeen):
+                self.metrics.status.labels(
+                    status=ev.status if ev.status in ("online", "offline") else "other").inc()
+                self.log({"event": "status", "device": ev.device, "status": ev.status,
+                          "removed": ev.removed})
+        self.metrics.in_quarantine.set(len(self.machine.quarantined))
 
     def _gauges(self) -> None:
         m = self.machine
@@ -433,6 +554,7 @@ class AggregatorService:
         sent = sum(len(p.payload) for p in out)
         self._bytes_out += sent
         self.metrics.sent.inc(sent)
+        self._machine_events()
         for o in m.history:  # the history is capped: compare round ids, not lengths
             if o.round_id > self._last_outcome:
                 self._last_outcome = o.round_id
@@ -465,9 +587,11 @@ class AggregatorService:
         self.metrics.survivors.set(survivors)
         self.metrics.dropped.set(dropped or 0)
         self.metrics.round_seconds.set(duration)
+        if not o.completed:
+            self.metrics.failed_uploads.inc(len(o.uploaded))
         self.log({"event": "round_end", "round": o.round_id, "completed": o.completed,
                   "cohort": cohort, "survivors": survivors, "declined": declined,
                   "dropped": dropped, "survivor_ids": list(o.survivors),
                   "bytes_in": self._bytes_in - b_in, "bytes_out": self._bytes_out - b_out,
                   "duration_s": round(duration, 3), "model_version": o.model_version,
-                  "detail": o.detail})
+                  "detail": o.detail, "uploaded": list(o.uploaded)})

@@ -291,6 +291,23 @@ class MqttLoop:
         conn.pending.append(message)
         self._pump(conn)
 
+    def subscribe(self, client_id: str, filters: Iterable[str]) -> None:
+        """Add subscriptions now (QoS 1, retained messages only if new). Not connected: a
+        no-op; the endpoint's ``subscriptions()`` at the next connect are what count."""
+        conn = self._conn(client_id)
+        filters = list(filters)
+        if conn.state == "connected" and filters:
+            opts = SubscribeOptions(qos=1, retainHandling=SubscribeOptions.RETAIN_SEND_IF_NEW_SUB)
+            conn.client.subscribe([(f, opts) for f in filters])
+
+    def unsubscribe(self, client_id: str, filters: Iterable[str]) -> None:
+        """Remove subscriptions now: the broker stops routing those topics to this client's
+        session (what it queued before stays queued). Not connected: a no-op."""
+        conn = self._conn(client_id)
+        filters = list(filters)
+        if conn.state == "connected" and filters:
+            conn.client.unsubscribe(filters)
+
     def is_connected(self, client_id: str) -> bool:
         return self._conn(client_id).state == "connected"
 

@@ -19,6 +19,7 @@ from mqtt_support import Recorder, client, down_all, new_loop, run_all, settle
 from edge_sdk import wire
 from edge_sdk.wire import Publish
 from tools.broker import (
+    FLOOD_HEADROOM,
     Broker,
     acl_text,
     device_names,
@@ -46,12 +47,13 @@ def test_config_files_private_and_sized(tmp_path: Path) -> None:
     assert "use_username_as_clientid true" in conf
     assert "persistence true" in conf
     assert "listener 18883 127.0.0.1" in conf
-    assert "max_queued_messages 1500" in conf  # 30 devices x 50 messages per round
+    # 30 devices x 50 messages per round, plus headroom for one device's flood
+    assert f"max_queued_messages {1500 + FLOOD_HEADROOM}" in conf
     assert f"max_packet_size {8 * 2**20}" in conf
-    assert cfg.max_queued_messages == 1500
+    assert cfg.max_queued_messages == 1500 + FLOOD_HEADROOM
     # Small fleets keep at least mosquitto's default.
     small = write_broker_config(tmp_path / "s", devices=["x"], fleet="f1", port=18883)
-    assert small.max_queued_messages == 1000
+    assert small.max_queued_messages == 1000 + FLOOD_HEADROOM
 
     again = read_broker_config(tmp_path)
     assert again == cfg

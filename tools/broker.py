@@ -42,6 +42,7 @@ from types import MappingProxyType, TracebackType
 from edge_sdk import wire
 
 __all__ = [
+    "FLOOD_HEADROOM",
     "MAX_PACKET_SIZE",
     "Broker",
     "BrokerConfig",
@@ -57,6 +58,7 @@ __all__ = [
 ]
 
 MAX_PACKET_SIZE = 8 * 2**20
+FLOOD_HEADROOM = 20_000
 # mosquitto_passwd's default. The passwords are 192-bit random tokens, so the iteration count
 # buys nothing against guessing; it only costs the broker time on every connect.
 _PBKDF2_ITERATIONS = 101
@@ -260,6 +262,8 @@ def write_broker_config(
     messages_per_round: int = 64,
     max_inflight_messages: int = 100,
     max_packet_size: int = MAX_PACKET_SIZE,
+    flood_headroom: int = FLOOD_HEADROOM,
+    max_queued_bytes: int = 0,
 ) -> BrokerConfig:
     """Write a locked-down mosquitto 2.x configuration for one fleet into ``directory``.
 
@@ -274,6 +278,19 @@ def write_broker_config(
             the Receive Maximum mosquitto advertises in CONNACK.
         max_packet_size: advertised to clients in CONNACK (Maximum Packet Size); larger
             updates must be chunked by the wire module.
+        flood_headroom: messages added to ``max_queued_messages`` for a flood. mosquitto 2.0
+            has no per-client rate limit, so one device's flood lands in the aggregator's
+            queue until the aggregator quarantines it and unsubscribes its topics
+            (``aggregator.guard``); the queue must hold what arrives meanwhile, or honest
+            devices' messages are dropped with the flood. Measured (tests/test_flood_mqtt.py,
+            ``mosquitto_pub`` replaying a chunk 20,000 times over TLS on loopback): with
+            1,000 the broker dropped messages for the aggregator; with this headroom none.
+        max_queued_bytes: mosquitto's per-client byte bound on queued messages (0: none).
+            It protects the broker's memory, not the aggregator's answers: once it is
+            reached, messages are dropped as with the count. 0 by default because the
+            aggregator's flood guard already charges messages by size (1 token per started
+            MiB), which bounds what one device can make the broker queue; set it where the
+            broker's memory is scarcer than the fleet's uploads are large.
 
     Returns:
         The paths, port, credentials and CA path (also saved in ``credentials.json``).
@@ -297,6 +314,9 @@ def write_broker_config(
         raise ValueError(f"messages_per_round must be >= 1, got {messages_per_round!r}")
     if max_inflight_messages < 1:
         raise ValueError(f"max_inflight_messages must be >= 1, got {max_inflight_messages!r}")
+    if flood_headroom < 0 or max_queued_bytes < 0:
+        raise ValueError(f"flood_headroom and max_queued_bytes must be >= 0, got "
+                         f"{flood_headroom!r}, {max_queued_bytes!r}")
     if not 1024 <= max_packet_size <= 268_435_455:
         raise ValueError(f"max_packet_size must be in [1024, 268435455], got {max_packet_size}")
 
@@ -304,7 +324,7 @@ def write_broker_config(
     persistence = directory / "persistence"
     persistence.mkdir(exist_ok=True)
     passwords = {name: secrets.token_urlsafe(24) for name in (aggregator, *devices)}
-    max_queued = max(1000, len(devices) * messages_per_round)
+    max_queued = max(1000, len(devices) * messages_per_round) + flood_headroom
 
     password_file = directory / "passwords"
     _write_private(password_file,
@@ -336,9 +356,10 @@ def write_broker_config(
         "use_username_as_clientid true",
         "",
         "# Sizing: devices x messages per round "
-        f"= {len(devices)} x {messages_per_round} (at least 1000).",
+        f"= {len(devices)} x {messages_per_round} (at least 1000), plus {flood_headroom}",
+        "# for one device's flood until the aggregator unsubscribes it (aggregator/guard.py).",
         f"max_queued_messages {max_queued}",
-        "max_queued_bytes 0",
+        f"max_queued_bytes {max_queued_bytes}",
         f"max_inflight_messages {max_inflight_messages}",
         f"max_packet_size {max_packet_size}",
         "set_tcp_nodelay true",
