@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from edge_sdk import wire
+from edge_sdk.csprng import secure_round_rng
 from edge_sdk.ledger import Budget, Ledger
 from edge_sdk.mqtt import BrokerAddress, ClientConfig, MqttLoop
 from edge_sdk.secagg import AggregatorIdentity, DeviceIdentity, Registry
@@ -259,7 +260,6 @@ class DeviceConfig:
         budget_epsilon, budget_delta: the owner's budget, checked against the ledger's.
         model: a zoo name (``logreg-64-10``) or manifest: a manifest path; exactly one.
         backend: ``"onnx"`` or ``"numpy"``; threads: onnxruntime intra-op threads.
-        seed: seeds the device's round randomness (batches, noise, rounding).
         checkin_every: seconds between check-ins outside rounds (None: never repeat).
         max_packet: largest MQTT payload the device sends (uploads are chunked below it).
         keepalive_s, backoff_initial_s, backoff_max_s: MQTT connection policy.
@@ -281,7 +281,6 @@ class DeviceConfig:
     manifest: Path | None = None
     backend: str = "onnx"
     threads: int = 1
-    seed: int = 0
     checkin_every: float | None = 30.0
     max_packet: int = wire.DEFAULT_MAX_PACKET
     keepalive_s: int = 30
@@ -301,8 +300,6 @@ class DeviceConfig:
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) \
                 or self.threads < 1:
             raise ConfigError(f"threads must be an integer >= 1, got {self.threads!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}")
         if self.checkin_every is not None and not (
                 isinstance(self.checkin_every, int | float)
                 and math.isfinite(self.checkin_every) and self.checkin_every > 0):
@@ -326,7 +323,6 @@ class DeviceConfig:
             identity = "identity.key"
             registry = "../../registry.json"
             ledger = "ledger.db"
-            seed = 0
             [budget]
             epsilon = 8.0
             delta = 1e-5
@@ -337,12 +333,18 @@ class DeviceConfig:
             password_file = "password"      # username defaults to the device name
         """
         data, base = read_toml(path)
+        if "seed" in data:
+            raise ConfigError(f"{path}: 'seed' is no longer a device setting: a seeded "
+                              f"generator made the device's batches and DP noise "
+                              f"reproducible by whoever knows the file (the enroller, the "
+                              f"aggregator's operator). A device's randomness now comes "
+                              f"from the OS CSPRNG only; delete the line")
         budget = take(data.pop("budget", {}), {"epsilon", "delta"}, f"{path} [budget]")
         broker = take(data.pop("broker", {}),
                       {"host", "port", "ca_file", "username", "password_file", "keepalive_s",
                        "backoff_initial_s", "backoff_max_s"}, f"{path} [broker]")
         top = take(data, {"fleet", "device", "identity", "registry", "ledger", "model",
-                          "manifest", "backend", "threads", "seed", "checkin_every",
+                          "manifest", "backend", "threads", "checkin_every",
                           "max_packet"}, str(path))
         values: dict[str, Any] = dict(top)
         for key in ("identity", "registry", "ledger", "manifest"):
@@ -506,7 +508,11 @@ class Device:
         data: the local training set (see :data:`DataInput`).
         on_event: receives a small dict per event (``connected``, ``checkin``, ``model``,
             ``round``, ``uploaded``, ``resent``, ``declined``, ``round_end``); default: log lines.
-        random_bytes: key material for secure aggregation (``os.urandom``).
+        random_bytes: key material for secure aggregation (``os.urandom``). The round
+            randomness (batches, DP noise, rounding) does not come from it: the device
+            always keys a fresh ChaCha20 generator per round from ``os.urandom``
+            (``edge_sdk.csprng``), and nothing in the configuration or the arguments can
+            replace it with a seeded one.
         clock: monotonic seconds (the session's deadlines).
 
     Raises:
@@ -540,7 +546,8 @@ class Device:
         try:
             session = DeviceSession(
                 fleet=config.fleet, identity=identity, registry=registry, ledger=ledger,
-                engine=engine, spec=spec, data=feed, seed=config.seed,
+                engine=engine, spec=spec, data=feed,
+                round_rng=secure_round_rng(os.urandom),  # never seeded, never configurable
                 random_bytes=random_bytes, max_packet=config.max_packet,
                 checkin_every=config.checkin_every)
             emit = on_event if on_event is not None else _log_event(config.device)
