@@ -234,17 +234,20 @@ class SecureRng:
         while have < n:
             m = (n - have + 1) // 2
             m += m // 3 + 16  # acceptance pi/4: one pass almost always suffices
-            uv = (self.words(2 * m) >> np.uint64(11)).astype(np.float64).reshape(2, m)
-            uv *= 2.0**-52
-            uv -= 1.0  # 53-bit grid on [-1, 1)
+            w = (self.words(2 * m) >> np.uint64(11)).view(np.int64)
+            w -= 1 << 52
+            uv = w.astype(np.float64).reshape(2, m)
+            uv *= 2.0**-52  # 53-bit grid on [-1, 1)
             s = np.einsum("ij,ij->j", uv, uv)
-            keep = (s < 1.0) & (s > 0.0)
+            keep = s < 1.0
             s = s[keep]
+            g = np.compress(keep, uv, axis=1)
+            if not s.all():  # s == 0 (probability 2^-106 a pair): reject it too
+                g, s = g[:, s > 0], s[s > 0]
             f = np.log(s)
             f *= -2.0
             f /= s
             np.sqrt(f, out=f)
-            g = np.compress(keep, uv, axis=1)
             g *= f
             parts.append(g.ravel())
             have += g.size

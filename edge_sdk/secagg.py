@@ -54,6 +54,23 @@ Protocols
   over omega only, and the aggregator scatters the k sums back
   (``SecAggServer.finalize_dense``).
 
+Trust model
+-----------
+
+The aggregator is assumed **semi-honest** (honest-but-curious): it follows the protocol
+and may only study what it receives. Bonawitz et al.'s active-adversary defences are not
+implemented, above all the consistency-check round (Fig. 4, round 3: survivors sign the
+set U3 and check each other's signatures before revealing shares). Without it an
+aggregator that tells different devices different survivor sets can collect both the
+mask-key share and the self-mask share of one device and unmask that device's input
+alone. What a device does check: every message's signature and round, never both shares
+of one owner in one request (:class:`UnmaskRefused`), only one request per round, and,
+in ``edge_sdk.session``, that the request's ``survivor_count`` is at least the plan's
+``min_survivors`` and agrees with the survivors it names (exactly, with the complete
+graph). Devices colluding with the aggregator are tolerated up to t - 1 of them (fewer
+than t shares of any honest device's secrets); the fleet states the number it assumes
+as ``RoundPlan.max_colluders`` (< t), which the accounting of the secure sum uses.
+
 Mask PRG (version ``fedge/secagg/v1``), :func:`prg_expand`::
 
     words = ChaCha20 (RFC 8439) keystream under key = seed (32 bytes), block counter 0,
