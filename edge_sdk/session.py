@@ -420,8 +420,9 @@ class DeviceSession:
         ``min_survivors`` uploads: the ledger's aggregate view counts on that many.
 
         The request states the survivor count ``|U3|``; the device checks it against what
-        it can see: itself plus its neighbours named as survivors never exceed it, and with
-        the complete graph (``degree >= n - 1``) they must equal it.
+        it can see: at least itself plus the neighbours named as survivors (exactly that
+        with the complete graph, ``degree >= n - 1``), at most the cohort less the
+        neighbours named as dropped.
         """
         need = r.plan.min_survivors
         seen = len(set(msg.survivors)) + 1  # this device uploaded too
@@ -431,10 +432,12 @@ class DeviceSession:
             raise RemoteProtocolError(f"unmask request for round {r.plan.round_id} names "
                                       f"{msg.survivor_count} survivors, fewer than "
                                       f"min_survivors {need}; refused")
-        if seen > msg.survivor_count or (complete and seen != msg.survivor_count):
+        most = len(r.plan.cohort) - len(set(msg.dropped))
+        if not seen <= msg.survivor_count <= most or (complete and seen != msg.survivor_count):
             raise RemoteProtocolError(f"unmask request for round {r.plan.round_id} claims "
                                       f"{msg.survivor_count} survivors, but names {seen} "
-                                      f"(with this device) among its neighbours; refused")
+                                      f"(with this device) and allows at most {most} "
+                                      f"(complete graph: {complete}); refused")
 
     def _upload(self, r: _Round, msg: secagg.ForwardedShares) -> list[Publish]:
         masked = r.client.mask_input(msg, r.residues)  # nothing has left the device yet
