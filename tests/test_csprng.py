@@ -267,3 +267,13 @@ def test_device_config_cannot_select_a_seed(tmp_path) -> None:
         DeviceConfig.from_toml(stale)
     with pytest.raises(ConfigError, match="seed"):
         DeviceConfig.from_toml(ok, seed=3)
+
+
+def test_all_is_honest() -> None:
+    from edge_sdk import csprng
+
+    public = {n for n in dir(csprng) if not n.startswith("_")}
+    assert set(csprng.__all__) <= public
+    here = {n for n in public if getattr(getattr(csprng, n), "__module__", None)
+            == csprng.__name__}
+    assert here <= set(csprng.__all__)
