@@ -508,12 +508,13 @@ class Device:
         data: the local training set (see :data:`DataInput`).
         on_event: receives a small dict per event (``connected``, ``checkin``, ``model``,
             ``round``, ``uploaded``, ``resent``, ``declined``, ``round_end``); default: log lines.
-        random_bytes: key material for secure aggregation (``os.urandom``). The round
-            randomness (batches, DP noise, rounding) does not come from it: the device
-            always keys a fresh ChaCha20 generator per round from ``os.urandom``
-            (``edge_sdk.csprng``), and nothing in the configuration or the arguments can
-            replace it with a seeded one.
         clock: monotonic seconds (the session's deadlines).
+
+    Randomness is not an argument: the round randomness (batches, DP noise, rounding) comes
+    from a fresh ChaCha20 generator per round keyed from ``os.urandom``
+    (``edge_sdk.csprng``), and key material and self-mask seeds for secure aggregation
+    from ``os.urandom``; nothing in the configuration or the arguments can replace either
+    with a seeded source (simulators build a ``DeviceSession`` themselves).
 
     Raises:
         ConfigError: unusable key, registry or password files, or a config that
@@ -524,7 +525,6 @@ class Device:
 
     def __init__(self, config: DeviceConfig, data: DataInput, *,
                  on_event: Callable[[dict[str, Any]], None] | None = None,
-                 random_bytes: Callable[[int], bytes] = os.urandom,
                  clock: Callable[[], float] = time.monotonic) -> None:
         from edge_sdk.engine import load_engine, load_manifest
 
@@ -548,14 +548,14 @@ class Device:
                 fleet=config.fleet, identity=identity, registry=registry, ledger=ledger,
                 engine=engine, spec=spec, data=feed,
                 round_rng=secure_round_rng(os.urandom),  # never seeded, never configurable
-                random_bytes=random_bytes, max_packet=config.max_packet,
+                random_bytes=os.urandom, max_packet=config.max_packet,
                 checkin_every=config.checkin_every)
             emit = on_event if on_event is not None else _log_event(config.device)
             agent = _Agent(session, feed, emit)
             loop = MqttLoop(BrokerAddress(host=config.broker_host, port=config.broker_port,
                                           ca_file=None if config.ca_file is None
                                           else str(config.ca_file)),
-                            rng=random.Random(int.from_bytes(random_bytes(8), "big")),
+                            rng=random.Random(int.from_bytes(os.urandom(8), "big")),
                             clock=clock)
             loop.add(ClientConfig(
                 username=config.mqtt_username, password=password,

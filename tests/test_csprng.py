@@ -252,6 +252,13 @@ def test_session_has_no_seeded_default() -> None:
     assert "seed" not in inspect.signature(DeviceSession).parameters
 
 
+def test_device_takes_no_randomness_argument() -> None:
+    from edge_sdk.device import Device
+
+    params = inspect.signature(Device).parameters
+    assert not {"seed", "random_bytes", "round_rng", "rng"} & set(params), list(params)
+
+
 def test_device_config_cannot_select_a_seed(tmp_path) -> None:
     assert "seed" not in {f for f in DeviceConfig.__dataclass_fields__}
     text = ('fleet = "lab"\ndevice = "dev-0000"\nmodel = "logreg-64-10"\n'
