@@ -133,7 +133,12 @@ class RoundPolicy:
         checkin_window: seconds to wait for a full cohort once ``min_cohort`` is reached.
         stage_timeout: seconds per secure-aggregation stage.
         min_survivors: the fewest uploads ever unmasked (a round with fewer fails; the
-            devices' ledgers count the aggregate view with it); default the threshold.
+            devices' ledgers count the aggregate view with it, and devices refuse to
+            unmask fewer); default the threshold.
+        max_colluders: cohort members assumed to collude with the aggregator (default 1,
+            sent in every plan; the aggregate view counts only the other members' noise).
+            Must be below the threshold and leave min_survivors - max_colluders >= 1
+            (``wire.colluder_problem``).
         max_rounds: stop starting rounds after this many (None: never stop).
         steps, batch_size, lr, sampling, clip, noise_multiplier: the local round.
         sparsity: rand-k kept fraction p; quant_levels: QSGD levels (0: none).
@@ -152,6 +157,7 @@ class RoundPolicy:
     checkin_window: float = 0.0
     stage_timeout: float = 30.0
     min_survivors: int | None = None
+    max_colluders: int = 1
     max_rounds: int | None = None
     steps: int = 10
     batch_size: int = 16
@@ -207,6 +213,12 @@ class RoundPolicy:
         s = self.survivors_needed(self.min_cohort or self.cohort_size)
         if not t <= s <= (self.min_cohort or self.cohort_size):
             raise ValueError(f"min_survivors must be in [threshold={t}, min cohort], got {s}")
+        n_min = self.min_cohort or self.cohort_size  # the smallest cohort has the lowest t
+        problem = wire.colluder_problem(
+            self.max_colluders, threshold=self.config_threshold(self.config_degree(n_min)),
+            min_survivors=s)
+        if problem:
+            raise ValueError(problem)
         compress.FixedPoint(scale=self.fixed_point_scale(), bits=self.bits).check_no_wrap(
             self.value_bound, self.cohort_size)
 
@@ -836,7 +848,8 @@ class RoundMachine:
             quant_levels=pol.quant_levels, scale=float(pol.fixed_point_scale()),
             value_bound=float(pol.value_bound), bits=pol.bits, length=k,
             nonce=self._random(32), degree=degree, threshold=pol.config_threshold(degree),
-            min_survivors=pol.survivors_needed(n), stage_timeout=float(pol.stage_timeout),
+            min_survivors=pol.survivors_needed(n), max_colluders=pol.max_colluders,
+            stage_timeout=float(pol.stage_timeout),
         ), self._idn)
         server = SecAggServer(identity=self._idn, registry=self._reg, config=plan.round_config())
         payload = wire.encode(plan)

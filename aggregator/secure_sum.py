@@ -369,6 +369,7 @@ class SecAggServer(_Base):
                     recipient=u,
                     dropped=tuple(v for v in self._graph[u] if v in self._u2 and v not in u3),
                     survivors=tuple(v for v in self._graph[u] if v in u3),
+                    survivor_count=len(u3),
                 )
             )
             for u in sorted(u3)

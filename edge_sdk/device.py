@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from edge_sdk import wire
+from edge_sdk.csprng import secure_round_rng
 from edge_sdk.ledger import Budget, Ledger
 from edge_sdk.mqtt import BrokerAddress, ClientConfig, MqttLoop
 from edge_sdk.secagg import AggregatorIdentity, DeviceIdentity, Registry
@@ -259,7 +260,6 @@ class DeviceConfig:
         budget_epsilon, budget_delta: the owner's budget, checked against the ledger's.
         model: a zoo name (``logreg-64-10``) or manifest: a manifest path; exactly one.
         backend: ``"onnx"`` or ``"numpy"``; threads: onnxruntime intra-op threads.
-        seed: seeds the device's round randomness (batches, noise, rounding).
         checkin_every: seconds between check-ins outside rounds (None: never repeat).
         max_packet: largest MQTT payload the device sends (uploads are chunked below it).
         keepalive_s, backoff_initial_s, backoff_max_s: MQTT connection policy.
@@ -281,7 +281,6 @@ class DeviceConfig:
     manifest: Path | None = None
     backend: str = "onnx"
     threads: int = 1
-    seed: int = 0
     checkin_every: float | None = 30.0
     max_packet: int = wire.DEFAULT_MAX_PACKET
     keepalive_s: int = 30
@@ -301,8 +300,6 @@ class DeviceConfig:
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) \
                 or self.threads < 1:
             raise ConfigError(f"threads must be an integer >= 1, got {self.threads!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}")
         if self.checkin_every is not None and not (
                 isinstance(self.checkin_every, int | float)
                 and math.isfinite(self.checkin_every) and self.checkin_every > 0):
@@ -326,7 +323,6 @@ class DeviceConfig:
             identity = "identity.key"
             registry = "../../registry.json"
             ledger = "ledger.db"
-            seed = 0
             [budget]
             epsilon = 8.0
             delta = 1e-5
@@ -337,12 +333,18 @@ class DeviceConfig:
             password_file = "password"      # username defaults to the device name
         """
         data, base = read_toml(path)
+        if "seed" in data:
+            raise ConfigError(f"{path}: 'seed' is no longer a device setting: a seeded "
+                              f"generator made the device's batches and DP noise "
+                              f"reproducible by whoever knows the file (the enroller, the "
+                              f"aggregator's operator). A device's randomness now comes "
+                              f"from the OS CSPRNG only; delete the line")
         budget = take(data.pop("budget", {}), {"epsilon", "delta"}, f"{path} [budget]")
         broker = take(data.pop("broker", {}),
                       {"host", "port", "ca_file", "username", "password_file", "keepalive_s",
                        "backoff_initial_s", "backoff_max_s"}, f"{path} [broker]")
         top = take(data, {"fleet", "device", "identity", "registry", "ledger", "model",
-                          "manifest", "backend", "threads", "seed", "checkin_every",
+                          "manifest", "backend", "threads", "checkin_every",
                           "max_packet"}, str(path))
         values: dict[str, Any] = dict(top)
         for key in ("identity", "registry", "ledger", "manifest"):
@@ -506,8 +508,13 @@ class Device:
         data: the local training set (see :data:`DataInput`).
         on_event: receives a small dict per event (``connected``, ``checkin``, ``model``,
             ``round``, ``uploaded``, ``resent``, ``declined``, ``round_end``); default: log lines.
-        random_bytes: key material for secure aggregation (``os.urandom``).
         clock: monotonic seconds (the session's deadlines).
+
+    Randomness is not an argument: the round randomness (batches, DP noise, rounding) comes
+    from a fresh ChaCha20 generator per round keyed from ``os.urandom``
+    (``edge_sdk.csprng``), and key material and self-mask seeds for secure aggregation
+    from ``os.urandom``; nothing in the configuration or the arguments can replace either
+    with a seeded source (simulators build a ``DeviceSession`` themselves).
 
     Raises:
         ConfigError: unusable key, registry or password files, or a config that
@@ -518,7 +525,6 @@ class Device:
 
     def __init__(self, config: DeviceConfig, data: DataInput, *,
                  on_event: Callable[[dict[str, Any]], None] | None = None,
-                 random_bytes: Callable[[int], bytes] = os.urandom,
                  clock: Callable[[], float] = time.monotonic) -> None:
         from edge_sdk.engine import load_engine, load_manifest
 
@@ -540,15 +546,16 @@ class Device:
         try:
             session = DeviceSession(
                 fleet=config.fleet, identity=identity, registry=registry, ledger=ledger,
-                engine=engine, spec=spec, data=feed, seed=config.seed,
-                random_bytes=random_bytes, max_packet=config.max_packet,
+                engine=engine, spec=spec, data=feed,
+                round_rng=secure_round_rng(os.urandom),  # never seeded, never configurable
+                random_bytes=os.urandom, max_packet=config.max_packet,
                 checkin_every=config.checkin_every)
             emit = on_event if on_event is not None else _log_event(config.device)
             agent = _Agent(session, feed, emit)
             loop = MqttLoop(BrokerAddress(host=config.broker_host, port=config.broker_port,
                                           ca_file=None if config.ca_file is None
                                           else str(config.ca_file)),
-                            rng=random.Random(int.from_bytes(random_bytes(8), "big")),
+                            rng=random.Random(int.from_bytes(os.urandom(8), "big")),
                             clock=clock)
             loop.add(ClientConfig(
                 username=config.mqtt_username, password=password,

@@ -54,6 +54,23 @@ Protocols
   over omega only, and the aggregator scatters the k sums back
   (``SecAggServer.finalize_dense``).
 
+Trust model
+-----------
+
+The aggregator is assumed **semi-honest** (honest-but-curious): it follows the protocol
+and may only study what it receives. Bonawitz et al.'s active-adversary defences are not
+implemented, above all the consistency-check round (Fig. 4, round 3: survivors sign the
+set U3 and check each other's signatures before revealing shares). Without it an
+aggregator that tells different devices different survivor sets can collect both the
+mask-key share and the self-mask share of one device and unmask that device's input
+alone. What a device does check: every message's signature and round, never both shares
+of one owner in one request (:class:`UnmaskRefused`), only one request per round, and,
+in ``edge_sdk.session``, that the request's ``survivor_count`` is at least the plan's
+``min_survivors`` and agrees with the survivors it names (exactly, with the complete
+graph). Devices colluding with the aggregator are tolerated up to t - 1 of them (fewer
+than t shares of any honest device's secrets); the fleet states the number it assumes
+as ``RoundPlan.max_colluders`` (< t), which the accounting of the secure sum uses.
+
 Mask PRG (version ``fedge/secagg/v1``), :func:`prg_expand`::
 
     words = ChaCha20 (RFC 8439) keystream under key = seed (32 bytes), block counter 0,
@@ -204,8 +221,9 @@ __all__ = [
     "unpack_residues",
 ]
 
-PROTOCOL_VERSION = 1
-"""Version carried by every message; a new value is a new wire format."""
+PROTOCOL_VERSION = 2
+"""Version carried by every message; a new value is a new wire format (2: the unmask
+request states the survivor count)."""
 
 SEED_BYTES = 32
 """Length of every PRG seed and derived key (a full 256-bit ChaCha20 key)."""
@@ -1462,13 +1480,19 @@ class MaskedInput(_Message):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class UnmaskRequest(_Message):
     """Aggregator -> surviving device: which of its neighbours dropped (reveal their
-    mask-key shares) and which survived (reveal their self-mask shares)."""
+    mask-key shares) and which survived (reveal their self-mask shares), and how many
+    uploads in all (``survivor_count`` = |U3|, the recipient included) the unmasked sum
+    will contain: a device whose accounting assumes a minimum checks it before answering
+    (``edge_sdk.session``). With the complete graph the device can verify it (its
+    surviving neighbours plus itself); with SecAgg+ neighbourhoods it is the
+    aggregator's word (the aggregator is assumed semi-honest, see the module docstring)."""
 
     KIND: ClassVar[str] = "unmask_request"
     round_id: int
     recipient: str
     dropped: tuple[str, ...]
     survivors: tuple[str, ...]
+    survivor_count: int
     sig: bytes = b""
 
     def payload(self) -> dict[str, Any]:
@@ -1477,16 +1501,19 @@ class UnmaskRequest(_Message):
             "recipient": self.recipient,
             "dropped": list(self.dropped),
             "survivors": list(self.survivors),
+            "survivor_count": self.survivor_count,
         }
 
     @classmethod
     def from_wire(cls, obj: object) -> UnmaskRequest:
-        d = _expect_map(obj, cls.KIND, {"round", "recipient", "dropped", "survivors", "sig"})
+        d = _expect_map(obj, cls.KIND, {"round", "recipient", "dropped", "survivors",
+                                         "survivor_count", "sig"})
         return cls(
             round_id=_int(d, "round", 0, _ROUND_HI),
             recipient=_id(d, "recipient"),
             dropped=_ids(d, "dropped"),
             survivors=_ids(d, "survivors"),
+            survivor_count=_int(d, "survivor_count", 1, _MAX_COHORT),
             sig=_bin(d, "sig", _SIG_BYTES),
         )
 

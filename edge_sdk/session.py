@@ -3,7 +3,7 @@
 A :class:`DeviceSession` is what ``edge_sdk.device`` (the MQTT adapter) drives::
 
     s = DeviceSession(fleet=..., identity=..., registry=..., ledger=..., engine=...,
-                      spec=..., data=load_local_data, seed=device_seed)
+                      spec=..., data=load_local_data, round_rng=secure_round_rng())
     adapter.subscribe(s.subscriptions())
     send(s.on_connect(now))                     # check-in
     send(s.on_message(topic, payload, now))     # plan, secagg, model, error
@@ -19,13 +19,35 @@ One round (DESIGN, "One round, as data flows"), for a device in the plan's cohor
    encode in fixed point mod 2^bits, and advertise secure-aggregation keys.
 2. neighbour keys -> share keys; forwarded shares -> mask the input, **reserve the spend
    in the ledger** (durable), and only then return the upload (chunked) for sending.
-3. unmask request -> answer it and commit the reservation (the request proves the
+3. unmask request -> refuse one naming fewer than the plan's ``min_survivors`` uploads
+   (the ledger's aggregate view is accounted on at least that many; nothing is
+   revealed), else answer it and commit the reservation (the request proves the
    aggregator holds the upload). The published model ends the round; the device adopts
    it and checks in again.
 
-All randomness of a round (batches, DP noise, quantization, rounding) comes from
-``numpy.random.default_rng([seed, round_id])``, so a run is reproducible; key material
-comes from the injected ``random_bytes`` (``os.urandom``). An exact duplicate of an
+Nothing that depends on the local update leaves before the ledger holds the round's
+reservation: the upload (step 2) and also the ``diverged`` decline, which tells the
+aggregator a bit of the noisy update (if the ledger cannot reserve, the device sends
+nothing and lets the round time out).
+
+Randomness: all randomness of a round (batches, DP noise, quantization, rounding) comes
+from ``round_rng(round_id)``, injected with no default: on a device
+(``edge_sdk.device.Device``) it is always ``csprng.secure_round_rng`` (ChaCha20 keyed
+from ``os.urandom``), so neither the enroller nor the aggregator can regenerate the noise
+from anything they know; simulators and tests pass ``csprng.seeded_round_rng(seed)`` for
+reproducible runs. Key material comes from the injected ``random_bytes``
+(``os.urandom``).
+
+Trust: the aggregator is assumed semi-honest (honest-but-curious). It follows the
+protocol, in particular it reports the same survivor set to every device: SecAgg's
+consistency-check round (Bonawitz et al. 2017, round 3) is not implemented, so an
+aggregator that lies about who survived could obtain both shares of one device and
+unmask its input. The device refuses a request naming fewer than ``min_survivors``
+uploads, which stops an aggregator that unmasks too small a sum by its own account, not
+one that lies about the count. The aggregate view also assumes at most
+``plan.max_colluders`` cohort members collude with the aggregator (``RoundPlan``).
+
+An exact duplicate of an
 aggregator message already answered gets the same answer again (QoS 1 redelivery, or an
 aggregator restarted from its checkpoint); anything else invalid is logged (logger
 ``edge_sdk.session``) and ignored without a state change, never raised.
@@ -42,6 +64,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edge_sdk import compress, secagg, wire
+from edge_sdk.csprng import RoundRng
 from edge_sdk.engine import Engine
 from edge_sdk.ledger import BudgetExhausted, Ledger, LedgerError, Plan, Reservation
 from edge_sdk.model import ModelSpec, flatten_params
@@ -91,7 +114,9 @@ class DeviceSession:
         engine: per-sample gradients of the model (``edge_sdk.engine.load_engine``).
         spec: the model's architecture (parameter shapes are checked against it).
         data: returns the local training set (x, y).
-        seed: the device's seed; round r's randomness is ``default_rng([seed, r])``.
+        round_rng: round id -> that round's randomness (``csprng.secure_round_rng()`` on
+            a device; a seeded factory only in simulators and tests). No default, so a
+            seeded generator is never picked by omission.
         random_bytes: key material for secure aggregation.
         max_packet: largest MQTT payload to send (uploads are chunked below it).
         checkin_every: seconds between repeated check-ins while the device is in no round
@@ -110,7 +135,7 @@ class DeviceSession:
         engine: Engine,
         spec: ModelSpec,
         data: DataSource,
-        seed: int,
+        round_rng: RoundRng,
         random_bytes: Callable[[int], bytes] = os.urandom,
         max_packet: int = wire.DEFAULT_MAX_PACKET,
         checkin_every: float | None = None,
@@ -130,7 +155,9 @@ class DeviceSession:
         self._spec = spec
         self._shapes = [s for _, s in spec.param_shapes()]
         self._data = data
-        self._seed = seed
+        if not callable(round_rng):
+            raise ValueError(f"round_rng must be a callable round id -> rng, got {round_rng!r}")
+        self._round_rng = round_rng
         self._random = random_bytes
         self._max_packet = max_packet
         self._params: list[np.ndarray] | None = None
@@ -321,13 +348,13 @@ class DeviceSession:
                                      f"{self._ledger.budget.epsilon:g}")
         except (LedgerError, ValueError) as e:
             return self._decline(plan, "ledger", str(e))
-        rng = np.random.default_rng([self._seed, plan.round_id])
+        rng = self._round_rng(plan.round_id)
         coords = (None if plan.sparsity == 1.0
                   else compress.coordinate_set(plan.round_seed, d, plan.length))
         try:
             res = local_round(self._engine, self._params, x, y, local, rng, coords=coords)
-        except TrainingDiverged as e:
-            return self._decline(plan, "diverged", str(e))
+        except TrainingDiverged:
+            return self._diverged(plan, ledger_plan)
         flat = flatten_params(res.update).astype(np.float64)
         values = flat if coords is None else flat[coords]
         if plan.quant_levels:
@@ -340,6 +367,24 @@ class DeviceSession:
         self._round = _Round(plan=plan, client=client, residues=residues,
                              ledger_plan=ledger_plan, last_heard=now, answers={raw: out})
         return list(out)
+
+    def _diverged(self, plan: RoundPlan, ledger_plan: Plan) -> list[Publish]:
+        """Decline a round whose noisy update is not finite. The decline reveals a bit of
+        that update, so the round is reserved (and committed) first; without a reservation
+        nothing leaves. The detail names no value computed from the data."""
+        try:
+            res = self._ledger.reserve(ledger_plan)
+        except (BudgetExhausted, LedgerError, ValueError) as e:
+            logger.warning("%s: round %d diverged and the ledger cannot reserve it; sending "
+                           "nothing: %s", self.device, plan.round_id, e, extra={"fedge": {
+                               "event": "reserve_failed", "device": self.device,
+                               "round": plan.round_id, "reason": str(e)}})
+            return []
+        try:
+            self._ledger.commit(res)
+        except LedgerError as e:  # the spend is counted either way; only the record suffers
+            logger.error("%s: cannot commit round %d: %s", self.device, plan.round_id, e)
+        return self._decline(plan, "diverged", "local training produced a non-finite update")
 
     # ------------------------------------------------------------------ secagg
 
@@ -361,6 +406,7 @@ class DeviceSession:
         elif isinstance(msg, secagg.ForwardedShares):
             out = self._upload(r, msg)
         elif isinstance(msg, secagg.UnmaskRequest):
+            self._check_survivors(r, msg)
             out = self._send_secagg(r.client.unmask(msg))
             self._commit(r)
         else:
@@ -368,6 +414,30 @@ class DeviceSession:
         r.answers[raw] = out
         r.last_heard = now
         return list(out)
+
+    def _check_survivors(self, r: _Round, msg: secagg.UnmaskRequest) -> None:
+        """Refuse (nothing revealed) an unmask request for a sum of fewer than the plan's
+        ``min_survivors`` uploads: the ledger's aggregate view counts on that many.
+
+        The request states the survivor count ``|U3|``; the device checks it against what
+        it can see: at least itself plus the neighbours named as survivors (exactly that
+        with the complete graph, ``degree >= n - 1``), at most the cohort less the
+        neighbours named as dropped.
+        """
+        need = r.plan.min_survivors
+        seen = len(set(msg.survivors)) + 1  # this device uploaded too
+        complete = (set(r.plan.round_config().neighbours(self.device))
+                    == set(r.plan.cohort) - {self.device})
+        if msg.survivor_count < need:
+            raise RemoteProtocolError(f"unmask request for round {r.plan.round_id} names "
+                                      f"{msg.survivor_count} survivors, fewer than "
+                                      f"min_survivors {need}; refused")
+        most = len(r.plan.cohort) - len(set(msg.dropped))
+        if not seen <= msg.survivor_count <= most or (complete and seen != msg.survivor_count):
+            raise RemoteProtocolError(f"unmask request for round {r.plan.round_id} claims "
+                                      f"{msg.survivor_count} survivors, but names {seen} "
+                                      f"(with this device) and allows at most {most} "
+                                      f"(complete graph: {complete}); refused")
 
     def _upload(self, r: _Round, msg: secagg.ForwardedShares) -> list[Publish]:
         masked = r.client.mask_input(msg, r.residues)  # nothing has left the device yet

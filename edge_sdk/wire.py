@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_MAX_PACKET",
     "LIMITS",
     "PROTOCOL_VERSION",
+    "colluder_problem",
     "WIRE_SIGNATURE_LABEL",
     "CheckIn",
     "Decline",
@@ -67,7 +68,7 @@ __all__ = [
     "update_topic",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: RoundPlan.max_colluders, secagg v2 (unmask survivor_count)
 
 # Topic layout (the broker's ACLs are written from the same functions, tools/broker.py):
 #
@@ -447,6 +448,26 @@ class CheckIn(_Wire):
                    model_version=_int(k, d, "model_version", -1, _ROUND_HI), sig=_sig(k, d))
 
 
+def colluder_problem(max_colluders: int, *, threshold: int, min_survivors: int) -> str | None:
+    """Why ``max_colluders`` cannot go with this threshold and survivor floor (None: it can).
+
+    Colluding members plus the aggregator must stay below the Shamir threshold t (with t
+    or more shares among them they could unmask an honest device's input without it), and
+    every unmasked sum must keep at least one honest member's noise
+    (``min_survivors - max_colluders >= 1``).
+    """
+    if isinstance(max_colluders, bool) or not isinstance(max_colluders, int) \
+            or max_colluders < 0:
+        return f"max_colluders must be an integer >= 0, got {max_colluders!r}"
+    if max_colluders >= threshold:
+        return (f"max_colluders must be below the secagg threshold {threshold} (colluders "
+                f"holding t shares unmask an honest device), got {max_colluders}")
+    if min_survivors - max_colluders < 1:
+        return (f"min_survivors {min_survivors} - max_colluders {max_colluders} must leave "
+                f"at least one honest member in every sum")
+    return None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RoundPlan(_Wire):
     """Aggregator -> each cohort member: everything a device needs for one round.
@@ -466,7 +487,15 @@ class RoundPlan(_Wire):
         length: values summed by secure aggregation (k = kept_count(d, p)).
         nonce, degree, threshold: the rest of ``secagg.RoundConfig``.
         min_survivors: the fewest uploads the aggregator will ever unmask (the ledger's
-            aggregate-view ``cohort_size``).
+            aggregate-view ``cohort_size``); a device refuses an unmask request for fewer.
+        max_colluders: how many cohort members the fleet's policy assumes may collude with
+            the aggregator (each knows, and can subtract, its own noise), so the sum is
+            accounted on ``min_survivors - max_colluders`` honest members' noise. Valid
+            plans have ``0 <= max_colluders < threshold`` (below the threshold, colluders
+            together with the aggregator hold fewer than t shares of any honest device's
+            secrets, so they cannot unmask it alone) and
+            ``min_survivors - max_colluders >= 1`` (at least one honest member's noise is
+            in every unmasked sum).
         stage_timeout: seconds the aggregator waits per stage (a device gives up on the
             round after several of these without news).
     """
@@ -493,13 +522,15 @@ class RoundPlan(_Wire):
     degree: int
     threshold: int
     min_survivors: int
+    max_colluders: int
     stage_timeout: float
     sig: bytes = b""
 
     _KEYS: ClassVar[tuple[str, ...]] = (
         "round_id", "model_version", "cohort", "steps", "batch_size", "lr", "sampling", "clip",
         "noise_multiplier", "sparsity", "round_seed", "quant_levels", "scale", "value_bound",
-        "bits", "length", "nonce", "degree", "threshold", "min_survivors", "stage_timeout",
+        "bits", "length", "nonce", "degree", "threshold", "min_survivors", "max_colluders",
+        "stage_timeout",
     )
 
     def payload(self) -> dict[str, Any]:
@@ -551,6 +582,7 @@ class RoundPlan(_Wire):
             degree=_int(k, d, "degree", 2, limits.max_cohort),
             threshold=_int(k, d, "threshold", 1, limits.max_cohort),
             min_survivors=_int(k, d, "min_survivors", 1, limits.max_cohort),
+            max_colluders=_int(k, d, "max_colluders", 0, limits.max_cohort),
             stage_timeout=_float(k, d, "stage_timeout", 0.0, 86400.0, open_lo=True),
             sig=_sig(k, d),
         )
@@ -558,6 +590,10 @@ class RoundPlan(_Wire):
         if not plan.threshold <= plan.min_survivors <= len(plan.cohort):
             raise _fail(k, f"min_survivors must be in [threshold={plan.threshold}, "
                            f"cohort size={len(plan.cohort)}], got {plan.min_survivors}")
+        problem = colluder_problem(plan.max_colluders, threshold=plan.threshold,
+                                   min_survivors=plan.min_survivors)
+        if problem:
+            raise _fail(k, problem)
         return plan
 
 

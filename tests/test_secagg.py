@@ -769,7 +769,7 @@ def test_wrong_field_types_fail_cleanly(msg: Any) -> None:
     for extra in (
         {**wire, "extra": 1},
         {k: v for k, v in wire.items() if k != "sig"},
-        {**wire, "v": 2},
+        {**wire, "v": 1},
         {**wire, "kind": "nope"},
         [wire],
     ):

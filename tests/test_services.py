@@ -35,6 +35,7 @@ from aggregator.rounds import RoundMachine
 from aggregator.service import AggregatorConfig
 from aggregator.store import CheckpointStore
 from edge_sdk import wire
+from edge_sdk.csprng import seeded_round_rng
 from edge_sdk.device import (
     ConfigError,
     DeviceConfig,
@@ -181,7 +182,8 @@ class ServiceFleet:
             s = DeviceSession(fleet=FLEET, identity=load_device_identity(cfg.identity),
                               registry=self.registry, ledger=self.ledgers[name],
                               engine=engine, spec=engine.spec, data=lambda x=x, y=y: (x, y),
-                              seed=cfg.seed, checkin_every=1.0)
+                              round_rng=seeded_round_rng(self.names.index(name)),
+                              checkin_every=1.0)
             self.sessions[name] = s
             self.loop.add(self.client(name), self.wrap(name, s))
         self.procs: list[Proc] = []

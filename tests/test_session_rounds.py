@@ -20,6 +20,7 @@ import pytest
 from aggregator.rounds import RoundMachine, RoundPolicy, SnapshotError
 from aggregator.store import CheckpointCorrupted, CheckpointStore
 from edge_sdk import secagg, wire
+from edge_sdk.csprng import seeded_round_rng
 from edge_sdk.engine import load_engine
 from edge_sdk.ledger import Budget, Ledger
 from edge_sdk.model import build_spec, init_params
@@ -118,7 +119,7 @@ class Fleet:
         x, y = self.digits.x_train[idx], self.digits.y_train[idx]
         s = DeviceSession(fleet=FLEET, identity=self.ids[i], registry=self.registry,
                           ledger=self.ledgers[name], engine=self.engine, spec=self.spec,
-                          data=lambda: (x, y), seed=1000 + i,
+                          data=lambda: (x, y), round_rng=seeded_round_rng(1000 + i),
                           random_bytes=_seeded_bytes(f"dev{i}-{len(self.broker.sent)}"))
         self.sessions[name] = s
         self.broker.detach(name)

@@ -63,7 +63,7 @@ def golden_messages() -> dict[str, wire.WireMessage]:
         sampling="poisson", clip=1.0, noise_multiplier=0.8, sparsity=0.5,
         round_seed=bytes(range(32, 64)), quant_levels=0, scale=2.0**16, value_bound=8.0,
         bits=32, length=5, nonce=cfg.nonce, degree=cfg.degree, threshold=cfg.threshold,
-        min_survivors=2, stage_timeout=30.0)
+        min_survivors=2, max_colluders=1, stage_timeout=30.0)
     return {
         "checkin": wire.sign(CheckIn(device="dev-a", data_size=72, remaining_epsilon=7.5,
                                      model_version=3), devs[0]),
@@ -143,7 +143,7 @@ def _mutate(msg: wire.WireMessage, **changes) -> bytes:
 
 
 @pytest.mark.parametrize(("name", "changes", "match"), [
-    ("checkin", {"v": 2}, "protocol version must be 1"),
+    ("checkin", {"v": 1}, "protocol version must be 2"),
     ("checkin", {"v": True}, "protocol version"),
     ("checkin", {"kind": "nope"}, "unknown message kind"),
     ("checkin", {"device": "a/+"}, "field 'device'"),
@@ -173,7 +173,7 @@ def test_bad_fields_are_named(messages, name, changes, match) -> None:
 
 
 def test_limits_are_enforced() -> None:
-    big = msgpack.packb({"v": 1, "kind": "checkin", "pad": b"x" * 100})
+    big = msgpack.packb({"v": wire.PROTOCOL_VERSION, "kind": "checkin", "pad": b"x" * 100})
     with pytest.raises(WireError, match="exceeds"):
         decode(big, limits=wire.Limits(max_message_bytes=64))
     # a length prefix claiming 4 GiB of bin data in a 10-byte message
@@ -201,7 +201,7 @@ _leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1),
                                                                       max_size=4),
            max_leaves=10), max_size=8))
 def test_structured_garbage_never_crashes(kind: str, fields: dict) -> None:
-    obj = {**fields, "v": 1, "kind": kind}
+    obj = {**fields, "v": wire.PROTOCOL_VERSION, "kind": kind}
     try:
         decode(msgpack.packb(obj, use_bin_type=True))
     except WireError:

@@ -192,12 +192,12 @@ def enroll(
                                                         "host": "127.0.0.1"},
             "policy": pol,
         }, comment=f"fedge aggregator for fleet {fleet!r} (written by fedge enroll)"))
-        for i, name in enumerate(names):
+        for name in names:
             d = dev_dirs[name]
             _write_private(d / "password", bc.password(name) + "\n")
             path = d / "device.toml"
             path.write_text(toml_text({
-                "fleet": fleet, "device": name, "model": model, "seed": i,
+                "fleet": fleet, "device": name, "model": model,
                 **(device_settings or {}),
                 "identity": "identity.key", "registry": _rel(reg_path, d),
                 "ledger": "ledger.db",

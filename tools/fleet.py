@@ -54,6 +54,7 @@ import numpy as np
 from aggregator.rounds import RoundMachine, RoundOutcome, RoundPolicy
 from aggregator.store import CheckpointStore
 from edge_sdk import secagg, wire
+from edge_sdk.csprng import seeded_round_rng
 from edge_sdk.engine import Engine, load_engine
 from edge_sdk.ledger import Budget, Ledger
 from edge_sdk.model import ModelSpec, build_spec, init_params
@@ -419,7 +420,7 @@ class Fleet:
         return DeviceSession(
             fleet=FLEET_NAME, identity=self.ids[name], registry=self.registry,
             ledger=self.ledgers[name], engine=self.engine, spec=self.spec,
-            data=lambda: (x, y), seed=seed,
+            data=lambda: (x, y), round_rng=seeded_round_rng(seed),
             random_bytes=seeded_bytes(f"fedge-fleet/{self.cfg.seed}/dev/{name}/{restart}"))
 
     def restart_device(self, name: str) -> DeviceSession:

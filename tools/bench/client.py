@@ -3,7 +3,9 @@ Opacus (torch) doing the same step, each in a fresh process, in the same run.
 
 Each measurement runs in its own subprocess so that peak RSS (ru_maxrss) is that of one
 stack alone, and thread pools are set before any work. Both sides step the same model on
-the same synthetic batch with per-sample clipping to C = 1 and noise multiplier 1.
+the same synthetic batch with per-sample clipping to C = 1 and noise multiplier 1. fedge
+draws its noise as a device does (``edge_sdk.csprng.SecureRng``: ChaCha20 keyed from the
+OS, each value a sum of four Gaussians); Opacus runs without ``secure_mode``.
 """
 
 from __future__ import annotations
@@ -37,11 +39,14 @@ params = init_params(spec, rng)
 clip, z, lr = 1.0, 1.0, 0.05
 if impl == "fedge":
     from edge_sdk.engine import load_engine
+    from edge_sdk.csprng import SecureRng
     from edge_sdk.train import dp_sgd_step
     from models import manifest_path
     engine = load_engine(manifest_path(arch, tuple(shape), classes), threads=threads)
+    noise_rng = SecureRng()  # the device's sampler (ChaCha20 keyed from the OS, 4-sum)
     def step():
-        noise = [rng.normal(0.0, z * clip, size=p.shape).astype(np.float32) for p in params]
+        noise = [noise_rng.normal(0.0, z * clip, size=p.shape).astype(np.float32)
+                 for p in params]
         dp_sgd_step(engine, params, x, y, clip=clip, noise=noise, lr=lr, denom=batch)
 else:
     import torch

@@ -110,6 +110,7 @@ def _policy(cohort: int, steps: int, batch_size: int) -> dict[str, Any]:
 _PROBE = r'''
 import json, math, sys, time
 import numpy as np
+from edge_sdk.csprng import SecureRng
 from edge_sdk.engine import load_engine
 from edge_sdk.model import init_params
 from edge_sdk.secagg import prg_expand
@@ -138,10 +139,10 @@ x = rng.standard_normal((samples, *engine.spec.input_shape)).astype(np.float32)
 y = rng.integers(0, engine.spec.num_classes, samples)
 params = init_params(engine.spec, rng)
 train = LocalTraining(steps=steps, batch_size=batch, lr=0.05, clip=1.0, noise_multiplier=1.0)
-local_round(engine, params, x, y, train, rng)  # warm-up
+local_round(engine, params, x, y, train, SecureRng())  # warm-up (the device's sampler)
 times = []
 for _ in range(3):
-    t = time.perf_counter(); local_round(engine, params, x, y, train, rng)
+    t = time.perf_counter(); local_round(engine, params, x, y, train, SecureRng())
     times.append(time.perf_counter() - t)
 print(json.dumps({"sgemm_gflops_pinned": gflops, "prg_floor_s": prg,
                   "local_round_probe_s": sorted(times)[1]}))
@@ -360,6 +361,7 @@ def run_agent_round(*, cap_mib: int | None = MEMORY_CAP_MIB, limit: str = "as", 
     from aggregator.service import AggregatorConfig
     from aggregator.store import CheckpointStore
     from edge_sdk import wire
+    from edge_sdk.csprng import secure_round_rng
     from edge_sdk.device import (
         DeviceConfig,
         load_aggregator_identity,
@@ -426,7 +428,8 @@ def run_agent_round(*, cap_mib: int | None = MEMORY_CAP_MIB, limit: str = "as", 
                     s = DeviceSession(fleet=FLEET, identity=load_device_identity(dc.identity),
                                       registry=registry, ledger=ledger, engine=engine,
                                       spec=engine.spec, data=lambda x=x, y=y: (x, y),
-                                      seed=dc.seed, checkin_every=1.0)
+                                      round_rng=secure_round_rng(),
+                                      checkin_every=1.0)
                     sessions[name] = s
                     loop.add(ClientConfig(username=name, password=c.password(name),
                                           status_topic=wire.status_topic(FLEET, name),

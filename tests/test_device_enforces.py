@@ -1,0 +1,185 @@
+"""Issue 14, findings 5 and 8: a device enforces what its ledger is accounted on.
+
+* An unmask request for a sum of fewer than the plan's ``min_survivors`` uploads (or one
+  whose count contradicts the survivors it names) gets no answer; the genuine request that
+  follows is answered and the round completes.
+* The ``diverged`` decline reveals a bit of the noisy update, so it leaves only after the
+  round is reserved in the ledger; a ledger that cannot reserve means nothing leaves.
+* ``max_colluders`` travels in the signed plan and is validated against the threshold on
+  both ends.
+
+The fleet harness (20 devices, one aggregator, the in-memory broker) is
+``tests/test_session_rounds.py``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import msgpack
+import pytest
+from test_session_rounds import FLEET, Fleet, _down_kind, digits, engine  # noqa: F401
+
+from aggregator.rounds import RoundPolicy
+from edge_sdk import secagg, wire
+from edge_sdk.ledger import LedgerError
+from edge_sdk.wire import SecAggPacket, WireError
+
+
+def _forged(plan: wire.RoundPlan, agg: secagg.AggregatorIdentity, payload: bytes,
+            **changes) -> bytes:
+    """The aggregator's unmask request with ``changes``, validly signed by the aggregator."""
+    req = wire.decode(payload).message()
+    new = dataclasses.replace(req, sig=b"", **changes)
+    digest = plan.round_config().digest()
+    return wire.encode(SecAggPacket.wrap(
+        dataclasses.replace(new, sig=agg.sign(new.signing_bytes(digest)))))
+
+
+def _plans(fleet: Fleet) -> dict[int, wire.RoundPlan]:
+    return {p.round_id: p for p in (wire.decode(pl) for _, t, pl in fleet.broker.sent
+                                    if t.endswith("/down/plan"))}
+
+
+@pytest.mark.parametrize("lie", ["below_min_survivors", "contradicts_named_survivors"])
+def test_device_refuses_unmask_below_min_survivors(tmp_path, digits, engine, caplog,  # noqa: F811
+                                                    lie) -> None:
+    fleet = Fleet(tmp_path, digits, engine, rounds=1,
+                  policy={"min_survivors": 8, "degree": 9})  # complete graph over 10
+    refused: list[tuple[str, list]] = []
+
+    def drop(name: str, topic: str, payload: bytes) -> bool:
+        if _down_kind(topic, payload) == "unmask_request" and not refused:
+            req = wire.decode(payload).message()
+            plan = _plans(fleet)[req.round_id]
+            assert req.survivor_count == len(req.survivors) + 1 >= plan.min_survivors
+            count = (plan.min_survivors - 1 if lie == "below_min_survivors"
+                     else req.survivor_count + 1)  # more than the device can see survived
+            with caplog.at_level(logging.WARNING, logger="edge_sdk.session"):
+                out = fleet.sessions[name].on_message(
+                    topic, _forged(plan, fleet.agg_id, payload, survivor_count=count), fleet.now)
+            refused.append((name, out))
+        return False  # the genuine request is delivered after the forged one
+
+    fleet.broker.drop = drop
+    try:
+        fleet.settle(until=lambda: len(fleet.machine.history) >= 1)
+        assert refused, "no unmask request was sent"
+        name, out = refused[0]
+        assert out == [], "the device answered an unmask request it must refuse"
+        assert any("refused" in r.getMessage() and name in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+        outcome = fleet.machine.history[0]
+        assert outcome.completed and name in outcome.survivors  # the genuine one: answered
+        committed = [r for r in fleet.ledgers[name].reservations()
+                     if r.plan.round_id == f"{FLEET}/1"]
+        assert committed and not fleet.ledgers[name].pending()
+    finally:
+        fleet.close()
+
+
+def _declines(fleet: Fleet, round_id: int) -> dict[str, str]:
+    out = {}
+    for sender, topic, payload in fleet.broker.sent:
+        if topic.endswith("/up/decline"):
+            msg = wire.decode(payload)
+            if msg.round_id == round_id:
+                out[sender] = msg.reason
+    return out
+
+
+class _NoReserve:
+    """The device's real ledger, except that writing a reservation fails (a full disk)."""
+
+    def __init__(self, ledger) -> None:
+        self._ledger = ledger
+
+    def __getattr__(self, name: str):
+        return getattr(self._ledger, name)
+
+    def reserve(self, plan):
+        raise LedgerError("disk full (injected)")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_diverged_decline_is_reserved_first(tmp_path, digits, engine) -> None:  # noqa: F811
+    # lr = 1e300 overflows the float32 step: every cohort member's update is non-finite
+    fleet = Fleet(tmp_path, digits, engine, rounds=1, policy={"lr": 1e300})
+    broken = fleet.ids[0].device
+
+    fleet.sessions[broken]._ledger = _NoReserve(fleet.ledgers[broken])  # fault injection
+    try:
+        fleet.settle(until=lambda: bool(_plans(fleet)) and len(
+            _declines(fleet, 1)) >= len(_plans(fleet)[1].cohort) - (
+                broken in _plans(fleet)[1].cohort))
+        plan = _plans(fleet)[1]
+        declines = _declines(fleet, 1)
+        for dev in plan.cohort:
+            reserved = [r for r in fleet.ledgers[dev].reservations()
+                        if r.plan.round_id == f"{FLEET}/1"] if dev != broken else []
+            if dev == broken:
+                assert dev not in declines, "a decline left without a reservation"
+                continue
+            assert declines.get(dev) == "diverged", (dev, declines.get(dev))
+            assert reserved and not fleet.ledgers[dev].pending(), dev
+            detail = next(wire.decode(p).detail for s, t, p in fleet.broker.sent
+                          if s == dev and t.endswith("/up/decline"))
+            assert not any(ch.isdigit() for ch in detail), detail  # no data-derived value
+    finally:
+        fleet.close()
+
+
+def test_max_colluders_is_in_the_signed_plan(tmp_path, digits, engine) -> None:  # noqa: F811
+    fleet = Fleet(tmp_path, digits, engine, rounds=1, policy={"max_colluders": 2})
+    try:
+        fleet.settle(until=lambda: len(fleet.machine.history) >= 1)
+        plan = _plans(fleet)[1]
+        assert plan.max_colluders == 2
+        assert plan.min_survivors - plan.max_colluders >= 1
+        assert fleet.machine.history[0].completed
+    finally:
+        fleet.close()
+
+
+def test_max_colluders_is_validated() -> None:
+    base = {"fleet": FLEET, "cohort_size": 10}
+    assert RoundPolicy(**base).max_colluders == 1  # the default assumes one colluder
+    RoundPolicy(**base, max_colluders=0)
+    t = RoundPolicy(**base).config_threshold(RoundPolicy(**base).config_degree(10))
+    with pytest.raises(ValueError, match="below the secagg threshold"):
+        RoundPolicy(**base, max_colluders=t)
+    with pytest.raises(ValueError, match="max_colluders must be an integer"):
+        RoundPolicy(**base, max_colluders=-1)
+    # a smaller min_cohort has a lower threshold: checked there too
+    small = {**base, "min_cohort": 6, "min_survivors": 5}
+    small_t = RoundPolicy(**small).config_threshold(RoundPolicy(**small).config_degree(6))
+    assert small_t < t
+    RoundPolicy(**small, max_colluders=small_t - 1)
+    with pytest.raises(ValueError, match="below the secagg threshold"):
+        RoundPolicy(**small, max_colluders=small_t)
+    assert wire.colluder_problem(1, threshold=2, min_survivors=2) is None
+    assert "honest" in wire.colluder_problem(1, threshold=1 + 1, min_survivors=1)
+
+
+def test_plan_with_bad_max_colluders_is_rejected_on_decode() -> None:
+    agg = secagg.AggregatorIdentity.generate()
+    devs = [secagg.DeviceIdentity.generate(f"d{i}") for i in range(5)]
+    cfg = secagg.RoundConfig.for_cohort(round_id=3, nonce=bytes(32),
+                                        cohort=[d.device for d in devs], bits=32, length=4)
+    plan = wire.RoundPlan(
+        round_id=3, model_version=0, cohort=cfg.cohort, steps=1, batch_size=8, lr=0.1,
+        sampling="poisson", clip=1.0, noise_multiplier=1.0, sparsity=1.0,
+        round_seed=bytes(32), quant_levels=0, scale=2.0**10, value_bound=1.0, bits=32,
+        length=4, nonce=cfg.nonce, degree=cfg.degree, threshold=cfg.threshold,
+        min_survivors=cfg.threshold, max_colluders=1, stage_timeout=10.0)
+    assert wire.decode(wire.encode(wire.sign(plan, agg))).max_colluders == 1
+    for bad in (cfg.threshold, cfg.threshold + 3):
+        raw = wire.encode(wire.sign(dataclasses.replace(plan, max_colluders=bad), agg))
+        with pytest.raises(WireError, match="max_colluders"):
+            wire.decode(raw)
+    obj = msgpack.unpackb(wire.encode(wire.sign(plan, agg)))
+    del obj["max_colluders"]
+    with pytest.raises(WireError):
+        wire.decode(msgpack.packb(obj))
