@@ -103,7 +103,8 @@ class RoundPolicy:
         checkin_window: seconds to wait for a full cohort once ``min_cohort`` is reached.
         stage_timeout: seconds per secure-aggregation stage.
         min_survivors: the fewest uploads ever unmasked (a round with fewer fails; the
-            devices' ledgers count the aggregate view with it); default the threshold.
+            devices' aggregate view counts min_survivors - max_colluders members' noise
+            where a theorem allows it); default the threshold.
         max_rounds: stop starting rounds after this many (None: never stop).
         steps, batch_size, lr, sampling, clip, noise_multiplier: the local round.
         sparsity: rand-k kept fraction p; quant_levels: QSGD levels (0: none).
