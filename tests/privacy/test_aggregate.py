@@ -329,7 +329,7 @@ def _plans(draw):
     return out
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(_plans())
 def test_ledger_epsilon_never_below_dp_accounting_pld(plans) -> None:
     locals_ = [p[0] for p in plans]
@@ -341,7 +341,7 @@ def test_ledger_epsilon_never_below_dp_accounting_pld(plans) -> None:
     assert epsilon_rdp(aggs, DELTA) <= epsilon_rdp(locals_, DELTA) * (1 + 1e-9)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(st.lists(st.tuples(st.floats(0.6, 3.0), st.integers(1, 40), st.integers(1, 20)),
                 min_size=1, max_size=3))
 def test_substitution_events_never_below_dp_accounting_rdp(specs) -> None:
