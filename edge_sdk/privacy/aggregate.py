@@ -82,6 +82,14 @@ def aggregate_event(local: Event, *, honest_members: int, linear_sum: bool) -> E
     * a member that reveals anything else depending on its update (a "diverged" decline)
       is outside the sum: its round is covered by its local event only, which the ledger's
       local view accounts.
+    * every member draws its last step's noise whatever its batch (also an empty Poisson
+      batch: :func:`edge_sdk.train.local_round` does), so each honest member's last noise
+      is present and independent of the rest of its update. Members may run different
+      numbers of steps: only that last noise of each honest member and the target's own
+      tau enter the construction (the plan fixes tau for all in any case).
+    * arithmetic over the reals, as in all DP-SGD accounting: float32 rounding of the
+      updates and of the sum is not modelled (see the device's sampler for the
+      floating-point attack on the noise itself).
     * Poisson sampling only: for sampling without replacement / shuffling the batches of
       one epoch are not independent across steps and the last batch depends on the
       earlier ones; no analogue is derived here, so the local event is returned. A local
