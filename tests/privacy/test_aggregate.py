@@ -270,6 +270,27 @@ def test_restate_rules() -> None:
                                           adjacency="add_remove")  # type: ignore[arg-type]
 
 
+def test_every_accountant_restates_or_refuses() -> None:
+    """Composing mismatched events converts soundly or raises, in each accountant."""
+    from edge_sdk.privacy import PldAccountant, ZcdpAccountant
+
+    wor = SampledWithoutReplacementGaussian(noise_multiplier=1.0, sample_size=8, dataset_size=80)
+    shuffle = Gaussian(noise_multiplier=1.0, adjacency="substitution")
+    for acc in (RdpAccountant(), PldAccountant(), ZcdpAccountant()):
+        for event in (wor, shuffle):
+            with pytest.raises(ValueError, match="no sound restatement|not supported by the PLD"):
+                acc.compose(event)
+    zero = ZcdpAccountant(adjacency="zero_out").compose(shuffle).compose(
+        PoissonSubsampledGaussian(noise_multiplier=2.0, sample_rate=0.1))
+    assert zero.rho == pytest.approx(1 / 2 + 1 / 8)
+    sub = ZcdpAccountant(adjacency="substitution").compose(Gaussian(noise_multiplier=2.0))
+    assert sub.rho == pytest.approx(1 / 2)  # z / 2 under substitution
+    with pytest.raises(ValueError, match="adjacency must be one of"):
+        ZcdpAccountant(adjacency="replace")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="supports adjacency 'add_remove' or 'zero_out'"):
+        PldAccountant(adjacency="substitution")  # type: ignore[arg-type]
+
+
 def test_substitution_to_zero_out_is_sound_for_the_gaussian_on_a_sum() -> None:
     """A sum of records clipped to C: zero-out sensitivity C, substitution 2C. The shuffle
     round's Gaussian(z / 2, substitution) restated under zero-out keeps z / 2 (loose, never
