@@ -133,8 +133,9 @@ class RoundPolicy:
         checkin_window: seconds to wait for a full cohort once ``min_cohort`` is reached.
         stage_timeout: seconds per secure-aggregation stage.
         min_survivors: the fewest uploads ever unmasked (a round with fewer fails; the
-            devices' ledgers count the aggregate view with it, and devices refuse to
-            unmask fewer); default the threshold.
+            devices' aggregate view counts min_survivors - max_colluders members' noise
+            where a theorem allows it, and devices refuse to unmask fewer); default the
+            threshold.
         max_colluders: cohort members assumed to collude with the aggregator (default 1,
             sent in every plan; the aggregate view counts only the other members' noise).
             Must be below the threshold and leave min_survivors - max_colluders >= 1

@@ -34,22 +34,30 @@ cell pointers after splitting one (past about 9,000 entries). What no local chec
 can see: the tail cut off by someone who rewrites the file consistently, or the whole file
 swapped for an older copy; anchor :meth:`Ledger.head` elsewhere (the aggregator's receipt).
 
-Two guarantees, both epsilon in nats at a stated delta (``../shared/DESIGN.md``, privacy model):
+Two guarantees, both epsilon in nats at a stated delta, both under ZERO-OUT adjacency
+(``../shared/DESIGN.md``, privacy model; :mod:`edge_sdk.privacy.events`): the neighbour of
+the device's data set replaces one record by a null record whose clipped gradient is 0
+(Kairouz et al. 2021). Zero-out, because check-in reveals the exact data size m and the
+remaining budget, which are the same in both zero-out neighbours but would make an
+add/remove guarantee infinite. Every stored event carries its own adjacency and is
+restated under zero-out soundly (substitution events unchanged; add/remove events of
+mechanisms that ignore the null record unchanged), or the ledger refuses it.
 
 * local: against anyone who sees this device's upload — the plan's event as released.
   The budget is enforced on this one (it needs no trust).
-* aggregate: against whoever sees only the secure sum of the cohort. The sum carries the
-  independent Gaussian noise of ``cohort_size`` = r members, each with the round's noise
-  multiplier z, while one record of this device still moves it by one sensitivity: the
-  same mechanism with noise multiplier z * sqrt(r) (Hu, Guo, Gong, Theorem 1, the
-  secure-aggregation amplification). Valid only under the secure-aggregation threshold
-  assumption: fewer than ``secagg_threshold`` = t parties collude, no member reveals its
-  own noise, and the unmasked sum really contains r members' noisy updates (with dropouts
-  tolerated, r must be the fewest the aggregator will unmask, never the number selected).
-  Without secure aggregation (``secagg_threshold=None``) the aggregator sees the upload
-  itself, and the aggregate view is the local one. For rounds of several local steps this
-  follows the paper in treating the sum as the composition of per-step noisy sums (each
-  device's intermediate iterates never leave it).
+* aggregate: against whoever sees only the secure sum of the cohort — the plan's
+  ``aggregate_event``, built by :func:`edge_sdk.privacy.aggregate.aggregate_event` where a
+  theorem supports a smaller event than the local one (see its docstring: the released sum
+  must be linear in the members' updates, every step divided by the public batch size,
+  colluders excluded), and the local event everywhere else. The ledger stores it per entry
+  and never derives it. Valid only under the secure-aggregation threshold assumption
+  (fewer than ``secagg_threshold`` = t parties collude), the collusion assumption the plan
+  states (at most min_survivors - r'' members collude), and a SEMI-HONEST aggregator: it
+  follows the protocol (SecAgg's consistency round is not run, so an actively malicious
+  aggregator could unmask a smaller set than a device believes; devices refuse unmask
+  requests naming fewer than min_survivors). Entries written before the aggregate event was
+  stored (their event column holds one event) are read with the local event as their
+  aggregate event: conservative, never an under-count.
 
 Errors (one root)::
 
@@ -88,6 +96,7 @@ from edge_sdk.privacy import (
     PoissonSubsampledGaussian,
     RdpAccountant,
     SampledWithoutReplacementGaussian,
+    restate,
 )
 
 __all__ = [
@@ -101,7 +110,6 @@ __all__ = [
     "Plan",
     "Reservation",
     "Spent",
-    "aggregate_event",
     "entry_to_json",
     "epsilon_pld",
     "epsilon_rdp",
@@ -112,13 +120,20 @@ __all__ = [
 
 EntryKind: TypeAlias = Literal["reserve", "commit", "abort"]
 #: An accountant as the ledger uses it: epsilon (nats) at ``delta`` of composing ``events``
-#: in order. Must be an upper bound on the true epsilon; may return ``inf``.
+#: in order, under zero-out adjacency (:data:`ADJACENCY`). Must be an upper bound on the true
+#: epsilon; may return ``inf``.
 EpsilonOf: TypeAlias = Callable[[Sequence[Event], float], float]
 
 FORMAT = "fedge-ledger"
 SCHEMA_VERSION = 1
 APPLICATION_ID = int.from_bytes(b"fLdg", "big")  # sqlite header bytes 68-71
 _BUSY_TIMEOUT_S = 10.0
+#: The adjacency every figure of the ledger is stated under (see the module docstring).
+ADJACENCY = "zero_out"
+# Entries written before events carried their adjacency: the relation each type was stated
+# under then (shuffle rounds' Gaussian(z/2) was charged as substitution).
+_LEGACY_ADJACENCY = {"Gaussian": "substitution", "PoissonSubsampledGaussian": "add_remove",
+                     "SampledWithoutReplacementGaussian": "substitution"}
 _EVENT_TYPES: dict[str, type] = {
     "Gaussian": Gaussian,
     "PoissonSubsampledGaussian": PoissonSubsampledGaussian,
@@ -189,17 +204,21 @@ class Plan:
         model_id: the global model version the round trains from.
         event: the privacy event of the local round, as released in the upload
             (``LocalResult.event`` of :mod:`edge_sdk.train`).
-        cohort_size: r, the number of cohort members whose independently noised updates the
-            revealed sum is guaranteed to contain (with dropouts tolerated: the fewest the
-            aggregator will unmask). Only the aggregate view uses it.
+        aggregate_event: the event against whoever sees only the secure sum, as built by
+            :func:`edge_sdk.privacy.aggregate.aggregate_event`; None (the default) means
+            ``event``: no claim beyond the local view. Stored as given, never derived.
+        cohort_size: r', the fewest members whose updates the revealed sum contains (the
+            aggregator's min_survivors), recorded for the record; the accounting uses
+            ``aggregate_event`` only.
         secagg_threshold: t of the secure aggregation the upload goes through (fewer than t
             colluders learn nothing but the sum), or None for no secure aggregation; then
-            the aggregate view equals the local one. At most ``cohort_size``.
+            ``aggregate_event`` must be the local event. At most ``cohort_size``.
     """
 
     round_id: str
     model_id: str
     event: Event
+    aggregate_event: Event | None = None
     cohort_size: int = 1
     secagg_threshold: int | None = None
 
@@ -212,7 +231,15 @@ class Plan:
             raise ValueError(
                 f"event must be one of {', '.join(_EVENT_TYPES)}, got {type(self.event).__name__}"
             )
+        if self.aggregate_event is None:
+            object.__setattr__(self, "aggregate_event", self.event)
+        elif not isinstance(self.aggregate_event, tuple(_EVENT_TYPES.values())):
+            raise ValueError(f"aggregate_event must be one of {', '.join(_EVENT_TYPES)}, got "
+                             f"{type(self.aggregate_event).__name__}")
         r, t = self.cohort_size, self.secagg_threshold
+        if t is None and self.aggregate_event != self.event:
+            raise ValueError("without secure aggregation (secagg_threshold=None) the aggregate "
+                             "event must be the local event")
         if not (_is_int(r) and r >= 1):
             raise ValueError(f"cohort_size must be an integer >= 1, got {r!r}")
         if t is not None and not (_is_int(t) and 1 <= t <= r):
@@ -244,15 +271,19 @@ class Spent:
     Attributes:
         local_epsilon: epsilon (nats) at ``delta`` against anyone who saw the uploads.
         aggregate_epsilon: epsilon (nats) at ``delta`` against whoever saw only the secure
-            sums, valid only under the secure-aggregation threshold assumption.
+            sums, valid only under the threshold, collusion and semi-honest-aggregator
+            assumptions (module docstring); equal to ``local_epsilon`` wherever no theorem
+            supports a smaller figure.
         delta: the delta both are stated at.
         entries: how many reservations (releases) the figures count.
+        adjacency: the neighbouring relation both are stated under (zero-out).
     """
 
     local_epsilon: float
     aggregate_epsilon: float
     delta: float
     entries: int
+    adjacency: str = ADJACENCY
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -268,7 +299,9 @@ class Entry:
         model_id: the model version it trained from.
         time: wall time of the write, seconds since the epoch (the injected clock).
         event: the released mechanism (reserve only).
-        cohort_size: r for the aggregate view (reserve only).
+        aggregate_event: the mechanism as seen through the secure sum (reserve only; the
+            local event for entries that predate it).
+        cohort_size: r', the fewest survivors the sum contains (reserve only).
         secagg_threshold: t, or None without secure aggregation (reserve only).
         prev_hash: the previous entry's hash (hex); the metadata's hash for entry 1.
         hash: sha256(prev_hash || canonical row), hex.
@@ -281,6 +314,7 @@ class Entry:
     model_id: str
     time: float
     event: Event | None
+    aggregate_event: Event | None
     cohort_size: int | None
     secagg_threshold: int | None
     prev_hash: str
@@ -299,7 +333,7 @@ def event_to_json(event: Event) -> dict[str, Any]:
     """The event as plain data, ``{"type": class name, **fields}``, nested for Composed.
 
     Numbers are normalised by the field's declared type (``float`` or ``int``), so the same
-    mechanism always encodes to the same canonical JSON.
+    mechanism always encodes to the same canonical JSON; ``adjacency`` is a string.
 
     Raises:
         ValueError: not a privacy event this module can store.
@@ -312,13 +346,19 @@ def event_to_json(event: Event) -> dict[str, Any]:
     out: dict[str, Any] = {"type": name}
     for f in dataclasses.fields(event):
         value = getattr(event, f.name)
-        out[f.name] = float(value) if f.type == "float" else int(value)
+        out[f.name] = (str(value) if f.name == "adjacency"
+                       else float(value) if f.type == "float" else int(value))
     return out
 
 
-def event_from_json(data: Any) -> Event:
+def event_from_json(data: Any, *, legacy: bool = False) -> Event:
     """Inverse of :func:`event_to_json`: exact field set, JSON types checked, then the
     event's own validation.
+
+    Args:
+        data: the decoded JSON.
+        legacy: the encoding of ledgers written before events carried their adjacency
+            (no ``adjacency`` field; each type gets the relation it was stated under then).
 
     Raises:
         ValueError: unknown type, missing or extra fields, wrong types or invalid values.
@@ -332,18 +372,62 @@ def event_from_json(data: Any) -> Event:
     if cls is Composed:
         if set(data) != {"type", "events"} or not isinstance(data["events"], list):
             raise ValueError(f"a Composed event needs exactly a list 'events', got {data!r}")
-        return Composed(events=tuple(event_from_json(e) for e in data["events"]))
+        return Composed(events=tuple(event_from_json(e, legacy=legacy) for e in data["events"]))
     fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    if legacy:
+        del fields["adjacency"]
     if set(data) != {"type", *fields}:
         raise ValueError(f"{cls.__name__} needs exactly the fields {sorted(fields)}, got {data!r}")
     kwargs = {}
     for name, kind in fields.items():
         value = data[name]
-        ok = isinstance(value, int | float) if kind == "float" else isinstance(value, int)
+        if name == "adjacency":
+            ok = isinstance(value, str)
+        elif kind == "float":
+            ok = isinstance(value, int | float)
+        else:
+            ok = isinstance(value, int)
         if not ok or isinstance(value, bool):
             raise ValueError(f"{cls.__name__}.{name} must be a JSON {kind}, got {value!r}")
         kwargs[name] = value
+    if legacy:
+        kwargs["adjacency"] = _LEGACY_ADJACENCY[cls.__name__]
     return cls(**kwargs)  # type: ignore[no-any-return]
+
+
+def _legacy_json(event: Event) -> dict[str, Any]:
+    """:func:`event_to_json` without the adjacency fields (the old canonical form)."""
+    out = event_to_json(event)
+    if isinstance(event, Composed):
+        out["events"] = [_legacy_json(e) for e in event.events]
+    else:
+        del out["adjacency"]
+    return out
+
+
+def _release_to_text(plan: Plan) -> str:
+    """The event column of a reserve entry: both views, canonical JSON."""
+    assert plan.aggregate_event is not None
+    return _canonical({"aggregate": event_to_json(plan.aggregate_event),
+                       "local": event_to_json(plan.event)}).decode()
+
+
+def _release_from_text(text: str) -> tuple[Event, Event]:
+    """(local, aggregate) from an event column. A lone legacy event (no aggregate stored)
+    is its own aggregate event: conservative. Checks the text is canonical."""
+    data = json.loads(text)
+    if isinstance(data, dict) and "type" in data:
+        local = event_from_json(data, legacy=True)
+        if _canonical(_legacy_json(local)).decode() != text:
+            raise ValueError("the event is not in canonical form")
+        return local, local
+    if not isinstance(data, dict) or set(data) != {"aggregate", "local"}:
+        raise ValueError(f"a release needs exactly 'local' and 'aggregate' events, got {data!r}")
+    local, agg = event_from_json(data["local"]), event_from_json(data["aggregate"])
+    if _canonical({"aggregate": event_to_json(agg), "local": event_to_json(local)}
+                  ).decode() != text:
+        raise ValueError("the event is not in canonical form")
+    return local, agg
 
 
 # ------------------------------------------------------------------------- accounting
@@ -357,64 +441,35 @@ def _leaves(event: Event) -> Iterator[Event]:
         yield event
 
 
-def _adjacency(events: Sequence[Event]) -> Literal["add_remove", "substitution"]:
-    kinds = {type(leaf) for e in events for leaf in _leaves(e)}
-    if PoissonSubsampledGaussian in kinds and SampledWithoutReplacementGaussian in kinds:
-        raise ValueError(
-            "cannot compose PoissonSubsampledGaussian (add/remove adjacency) with "
-            "SampledWithoutReplacementGaussian (substitution adjacency) in one ledger"
-        )
-    return "substitution" if SampledWithoutReplacementGaussian in kinds else "add_remove"
-
-
 def epsilon_rdp(events: Sequence[Event], delta: float) -> float:
-    """Epsilon (nats) at ``delta`` of composing ``events``, by the RDP accountant; the
-    ledger's default accountant.
+    """Epsilon (nats) at ``delta`` of composing ``events`` under zero-out adjacency, by the
+    RDP accountant; the ledger's default accountant.
 
-    Events stated under add/remove adjacency (Poisson sampling) and under substitution
-    (sampling without replacement) cannot be composed into one guarantee: ValueError.
+    Each event is restated under zero-out (:func:`edge_sdk.privacy.restate`); an event with
+    no sound restatement raises ValueError.
     """
     events = list(events)
     if not events:
         return 0.0
-    acc = RdpAccountant(adjacency=_adjacency(events))
+    acc = RdpAccountant(adjacency=ADJACENCY)
     for event, count in Counter(events).items():  # a device repeats few distinct events
         acc.compose(event, count)
     return acc.get_epsilon(delta)
 
 
 def epsilon_pld(events: Sequence[Event], delta: float) -> float:
-    """Epsilon (nats) at ``delta`` by the PLD accountant where it applies (add/remove
-    events), never above the RDP answer (both are upper bounds, so their minimum is one)."""
+    """Epsilon (nats) at ``delta`` under zero-out adjacency, by the PLD accountant where it
+    applies (no sampling without replacement), never above the RDP answer (both are upper
+    bounds, so their minimum is one)."""
     events = list(events)
     rdp = epsilon_rdp(events, delta)
-    if not events or _adjacency(events) != "add_remove":
+    if not events or any(isinstance(leaf, SampledWithoutReplacementGaussian)
+                         for e in events for leaf in _leaves(e)):
         return rdp
-    acc = PldAccountant()
+    acc = PldAccountant(adjacency=ADJACENCY)
     for event, count in Counter(events).items():
-        acc.compose(event, count)
+        acc.compose(restate(event, ADJACENCY), count)
     return min(acc.get_epsilon(delta), rdp)
-
-
-def _scaled(event: Event, factor: float) -> Event:
-    if isinstance(event, Composed):
-        return Composed(events=tuple(_scaled(e, factor) for e in event.events))
-    if not hasattr(event, "noise_multiplier"):
-        raise ValueError(f"no aggregate view for {type(event).__name__}: not a Gaussian mechanism")
-    return dataclasses.replace(event, noise_multiplier=event.noise_multiplier * factor)
-
-
-def aggregate_event(plan: Plan) -> Event:
-    """The event as seen by whoever sees only the secure sum of the plan's cohort.
-
-    The sum carries r = ``plan.cohort_size`` independent Gaussian noises of the same scale, so
-    the noise multiplier is z * sqrt(r) (Hu, Guo, Gong, Theorem 1). Valid only under the
-    secure-aggregation threshold assumption; with ``secagg_threshold=None`` the plan's own
-    event is returned unchanged.
-    """
-    if plan.secagg_threshold is None or plan.cohort_size == 1:
-        return plan.event
-    return _scaled(plan.event, math.sqrt(plan.cohort_size))
 
 
 def _checked_epsilon(value: object, who: str) -> float:
@@ -435,7 +490,7 @@ def running_epsilon(
     out = []
     for k in range(1, len(plans) + 1):
         local = accountant([p.event for p in plans[:k]], delta)
-        agg = accountant([aggregate_event(p) for p in plans[:k]], delta)
+        agg = accountant([p.aggregate_event for p in plans[:k]], delta)
         out.append((_checked_epsilon(local, _name(accountant)),
                     _checked_epsilon(agg, _name(accountant))))
     return out
@@ -445,6 +500,8 @@ def entry_to_json(entry: Entry) -> dict[str, Any]:
     """An entry as plain JSON-able data (the event through :func:`event_to_json`)."""
     out = {f.name: getattr(entry, f.name) for f in dataclasses.fields(entry)}
     out["event"] = None if entry.event is None else event_to_json(entry.event)
+    out["aggregate_event"] = (None if entry.aggregate_event is None
+                              else event_to_json(entry.aggregate_event))
     return out
 
 
@@ -549,7 +606,8 @@ class Ledger:
         self._entries: list[Entry] = []
         self._reservations: dict[int, Reservation] = {}
         self._closed: dict[int, EntryKind] = {}  # reservation seq -> "commit" | "abort"
-        self._events: dict[str, Event] = {}  # canonical JSON -> event (a device repeats few)
+        # canonical JSON -> (local, aggregate) events (a device repeats few)
+        self._events: dict[str, tuple[Event, Event]] = {}
 
     # ------------------------------------------------------------------------ opening
 
@@ -701,6 +759,7 @@ class Ledger:
             if entry.kind == "reserve":
                 assert entry.event is not None and entry.cohort_size is not None
                 plan = Plan(round_id=entry.round_id, model_id=entry.model_id, event=entry.event,
+                            aggregate_event=entry.aggregate_event,
                             cohort_size=entry.cohort_size,
                             secagg_threshold=entry.secagg_threshold)
                 self._reservations[entry.seq] = Reservation(seq=entry.seq, plan=plan,
@@ -727,15 +786,15 @@ class Ledger:
         if _row_hash(prev, row) != row["hash"]:
             raise LedgerCorrupted(f"{where}: hash chain broken (the entry was altered)")
         try:
-            event = None
+            event = agg = None
             if row["kind"] == "reserve":
-                event = self._events.get(row["event"])
-                if event is None:
-                    event = event_from_json(json.loads(row["event"]))
-                    if _canonical(event_to_json(event)).decode() != row["event"]:
-                        raise ValueError("the event is not in canonical form")
-                    self._events[row["event"]] = event
+                pair = self._events.get(row["event"])
+                if pair is None:
+                    pair = _release_from_text(row["event"])
+                    self._events[row["event"]] = pair
+                event, agg = pair
                 Plan(round_id=row["round_id"], model_id=row["model_id"], event=event,
+                     aggregate_event=agg,
                      cohort_size=row["cohort_size"], secagg_threshold=row["secagg_threshold"])
             elif row["kind"] in ("commit", "abort"):
                 ref = self._reservations.get(row["reservation"])
@@ -753,6 +812,7 @@ class Ledger:
             raise LedgerCorrupted(f"{where}: invalid entry ({exc})") from exc
         fields = {k: row[k] for k in _COLUMNS}
         fields["event"] = event
+        fields["aggregate_event"] = agg
         return Entry(**fields)
 
     def _refresh(self) -> None:
@@ -904,7 +964,7 @@ class Ledger:
         row: dict[str, Any] = {
             "seq": len(self._entries) + 1, "kind": kind, "reservation": reservation,
             "round_id": plan.round_id, "model_id": plan.model_id, "time": float(now),
-            "event": _canonical(event_to_json(plan.event)).decode() if reserve else None,
+            "event": _release_to_text(plan) if reserve else None,
             "cohort_size": int(plan.cohort_size) if reserve else None,
             "secagg_threshold": (None if not reserve or plan.secagg_threshold is None
                                  else int(plan.secagg_threshold)),
@@ -930,7 +990,7 @@ class Ledger:
         if not plans:
             return Spent(local_epsilon=0.0, aggregate_epsilon=0.0, delta=delta, entries=0)
         local = self._local_epsilon(plans, delta)
-        agg = self._accountant([aggregate_event(p) for p in plans], delta)
+        agg = self._accountant([p.aggregate_event for p in plans], delta)
         return Spent(local_epsilon=local,
                      aggregate_epsilon=_checked_epsilon(agg, _name(self._accountant)),
                      delta=delta, entries=len(plans))

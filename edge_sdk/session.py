@@ -68,6 +68,7 @@ from edge_sdk.csprng import RoundRng
 from edge_sdk.engine import Engine
 from edge_sdk.ledger import BudgetExhausted, Ledger, LedgerError, Plan, Reservation
 from edge_sdk.model import ModelSpec, flatten_params
+from edge_sdk.privacy.aggregate import aggregate_event
 from edge_sdk.secagg import DeviceIdentity, Registry, RemoteProtocolError, SecAggClient
 from edge_sdk.train import LocalTraining, TrainingDiverged, local_round, round_event
 from edge_sdk.wire import (
@@ -338,8 +339,16 @@ class DeviceSession:
         x, y = self._data()
         if len(y) == 0:
             return self._decline(plan, "no_data", "the local data set is empty")
-        ledger_plan = Plan(round_id=key, model_id=str(plan.model_version),
-                           event=round_event(len(y), local, k / d),
+        event = round_event(len(y), local, k / d)
+        # r'' = min_survivors - max_colluders (the signed plan's fleet policy). Every upload
+        # below is clamped to value_bound and rounded to the fixed-point grid (and
+        # QSGD-quantized if set) before the sum: steps that can remove a member's noise, so
+        # the sum has no guarantee beyond the local one (linear_sum=False: the aggregate
+        # event is the local event).
+        honest = plan.min_survivors - plan.max_colluders  # >= 1: checked when decoded
+        ledger_plan = Plan(round_id=key, model_id=str(plan.model_version), event=event,
+                           aggregate_event=aggregate_event(event, honest_members=honest,
+                                                           linear_sum=False),
                            cohort_size=plan.min_survivors, secagg_threshold=plan.threshold)
         try:
             if self._ledger.would_exceed(ledger_plan):

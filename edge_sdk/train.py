@@ -3,7 +3,9 @@
 zCDP paper (Hu-Guo-Gong), Algorithm 1 lines 5-10, with per-sample clipping to C in place
 of its bounded-gradient assumption (Assumption 1) and the noise expressed as a
 multiplier of C: each step adds N(0, (z C)^2 I) to the sum of the clipped per-sample
-gradients, divides by the (expected) batch size and takes an SGD step. The round returns
+gradients, divides by the public batch size B of the plan (never by min(m, B): a device
+with fewer than B records would otherwise move the cohort's sum by B / m times the
+sensitivity every member is accounted with) and takes an SGD step. The round returns
 theta_tau - theta_0 and the privacy event it released, as data for an accountant.
 
 Sparsified rounds (Fed-SPA, Hu-Gong-Guo, eq. (5)) keep a coordinate set omega of k = p*d
@@ -122,7 +124,7 @@ def _batches(m: int, cfg: LocalTraining, rng: np.random.Generator):
     if cfg.sampling == "poisson":
         q = min(1.0, cfg.batch_size / m)
         for _ in range(cfg.steps):
-            yield np.flatnonzero(rng.random(m) < q), q * m
+            yield np.flatnonzero(rng.random(m) < q), float(cfg.batch_size)
         return
     b = min(cfg.batch_size, m)
     per_epoch = m // b
@@ -131,7 +133,7 @@ def _batches(m: int, cfg: LocalTraining, rng: np.random.Generator):
         k = s % per_epoch
         if s and k == 0:
             order = rng.permutation(m)
-        yield order[k * b : (k + 1) * b], float(b)
+        yield order[k * b : (k + 1) * b], float(cfg.batch_size)
 
 
 def round_event(
@@ -143,10 +145,11 @@ def round_event(
     clipped to sqrt(p) * C while the noise std stays z * C: noise multiplier z / sqrt(p).
 
     Poisson: the subsampled Gaussian with q = batch_size / m, tau steps (add/remove
-    adjacency). Shuffle: no amplification is claimed; each sample is used once per epoch,
-    so the round composes one Gaussian per epoch touched, and because reshuffling makes
-    add/remove awkward to argue we charge substitution (sensitivity 2C, i.e. noise
-    multiplier z/2), which is loose but never low.
+    adjacency; it holds under zero-out too, the step being divided by the public B). Shuffle:
+    no amplification is claimed; each sample is used once per epoch, so the round composes
+    one Gaussian per epoch touched, and because reshuffling makes add/remove awkward to
+    argue we charge substitution (sensitivity 2C, i.e. noise multiplier z/2), which is
+    loose but never low; the event says so in its ``adjacency``.
     """
     z = cfg.noise_multiplier / math.sqrt(kept_fraction)
     if cfg.sampling == "poisson":
@@ -154,7 +157,8 @@ def round_event(
             noise_multiplier=z, sample_rate=min(1.0, cfg.batch_size / m), steps=cfg.steps
         )
     per_epoch = m // min(cfg.batch_size, m)
-    return Gaussian(noise_multiplier=z / 2, steps=math.ceil(cfg.steps / per_epoch))
+    return Gaussian(noise_multiplier=z / 2, steps=math.ceil(cfg.steps / per_epoch),
+                    adjacency="substitution")
 
 
 def dp_sgd_step(
@@ -176,7 +180,7 @@ def dp_sgd_step(
         x, y: the batch (may be empty: then only the noise moves theta).
         clip: per-sample L2 bound C.
         noise: absolute noise per parameter (std z*C, drawn by the caller) or None.
-        lr: step size; denom: the batch size normalisation (expected size for Poisson).
+        lr: step size; denom: the batch size normalisation, the plan's public B.
         masks: 0/1 arrays of a rand-k coordinate set: norms, clipping and the sum are
             restricted to it (the caller scales clip, noise and lr; see :func:`local_round`).
 

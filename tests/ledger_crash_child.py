@@ -10,12 +10,13 @@ it printed is a lower bound on what the ledger must show afterwards.
 import sys
 
 from edge_sdk.ledger import Budget, Ledger, Plan
-from edge_sdk.privacy import PoissonSubsampledGaussian
+from edge_sdk.privacy import PoissonSubsampledGaussian, aggregate_event
 
 BUDGET = Budget(epsilon=1e6, delta=1e-5)
 DEVICE_ID = "crash-child"
 EVENT = PoissonSubsampledGaussian(noise_multiplier=4.0, sample_rate=0.01, steps=10)
 COHORT, THRESHOLD = 16, 11
+AGGREGATE = aggregate_event(EVENT, honest_members=COHORT - 1, linear_sum=True)
 
 
 def main(path: str, cycles: int) -> None:
@@ -23,7 +24,8 @@ def main(path: str, cycles: int) -> None:
         count = len(ledger.reservations())
         for _ in range(cycles):
             res = ledger.reserve(Plan(round_id=f"r{count + 1}", model_id="m", event=EVENT,
-                                      cohort_size=COHORT, secagg_threshold=THRESHOLD))
+                                      aggregate_event=AGGREGATE, cohort_size=COHORT,
+                                      secagg_threshold=THRESHOLD))
             count += 1
             print(f"released {count}", flush=True)  # the upload may leave now
             ledger.commit(res)

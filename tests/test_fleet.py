@@ -124,7 +124,9 @@ def test_inproc_fleet_with_dropouts_completes_or_fails_by_policy(tmp_path, digit
         assert summary["rounds_failed"] == 3
         assert all(np.array_equal(a, b) for a, b in zip(fleet.machine.params, fleet.initial,
                                                          strict=True))
-    assert summary["epsilon"] > 0 and summary["epsilon_aggregate"] < summary["epsilon"]
+    # Uploads are clamped and rounded before the secure sum: no theorem gives the sum a
+    # smaller figure than the upload (issue 14, finding 4), so the two views agree.
+    assert summary["epsilon"] > 0 and summary["epsilon_aggregate"] == summary["epsilon"]
     assert summary["bytes_up_payload"] > 0 and summary["bytes_down_payload"] > 0
     json.dumps(summary, allow_nan=False)
     fleet.close()

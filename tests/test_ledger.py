@@ -28,8 +28,8 @@ from edge_sdk.ledger import (
     LedgerError,
     Plan,
     Reservation,
+    _release_to_text,
     _row_hash,
-    aggregate_event,
     entry_to_json,
     epsilon_pld,
     epsilon_rdp,
@@ -41,6 +41,7 @@ from edge_sdk.privacy import (
     Gaussian,
     PoissonSubsampledGaussian,
     SampledWithoutReplacementGaussian,
+    aggregate_event,
 )
 from tools.ledger_cli import add_ledger_parser, run_ledger
 
@@ -51,7 +52,10 @@ BIG = Budget(epsilon=1000.0, delta=1e-5)
 
 
 def _plan(i: int, event=EVENT, r: int = 1, t: int | None = None) -> Plan:
-    return Plan(round_id=f"r{i}", model_id="m1", event=event, cohort_size=r, secagg_threshold=t)
+    """With secure aggregation (t given), the aggregate event of r survivors, one colluder."""
+    agg = None if t is None else aggregate_event(event, honest_members=r - 1, linear_sum=True)
+    return Plan(round_id=f"r{i}", model_id="m1", event=event, aggregate_event=agg,
+                cohort_size=r, secagg_threshold=t)
 
 
 def _new(path: Path, budget: Budget = BIG, **kw) -> Ledger:
@@ -92,6 +96,9 @@ def test_budget_is_validated(kw, match) -> None:
     ({"cohort_size": 2.0}, r"cohort_size .* got 2\.0"),
     ({"cohort_size": 4, "secagg_threshold": 5}, r"secagg_threshold .* \[1, cohort_size=4\], got 5"),
     ({"cohort_size": 4, "secagg_threshold": 0}, r"secagg_threshold .* got 0"),
+    ({"aggregate_event": 1.5}, r"aggregate_event must be one of .* got float"),
+    ({"aggregate_event": Gaussian(noise_multiplier=9.0)},
+     r"without secure aggregation .* must be the local event"),
 ])
 def test_plan_is_validated(kw, match) -> None:
     base = {"round_id": "r", "model_id": "m", "event": EVENT}
@@ -114,8 +121,8 @@ def test_events_round_trip_through_canonical_json(event) -> None:
 def test_event_json_is_canonical_and_strict() -> None:
     # The same mechanism always encodes the same way, whatever number types built it.
     assert event_to_json(Gaussian(noise_multiplier=2, steps=3)) == {
-        "type": "Gaussian", "noise_multiplier": 2.0, "steps": 3}
-    good = {"type": "Gaussian", "noise_multiplier": 2.0, "steps": 3}
+        "type": "Gaussian", "noise_multiplier": 2.0, "steps": 3, "adjacency": "add_remove"}
+    good = {"type": "Gaussian", "noise_multiplier": 2.0, "steps": 3, "adjacency": "add_remove"}
     for bad, match in [({**good, "type": "Laplace"}, "unknown event type 'Laplace'"),
                        ({**good, "epsilon": 1.0}, "needs exactly the fields"),
                        ({"type": "Gaussian", "steps": 3}, "needs exactly the fields"),
@@ -127,16 +134,50 @@ def test_event_json_is_canonical_and_strict() -> None:
             event_from_json(bad)
 
 
-def test_aggregate_event_counts_the_cohorts_noise() -> None:
-    # A secure sum of 16 members carries 16 independent noises: z * sqrt(16).
-    agg = aggregate_event(_plan(1, r=16, t=9))
-    assert agg == PoissonSubsampledGaussian(noise_multiplier=4.0, sample_rate=0.05, steps=20)
-    composed = Composed(events=(EVENT, Gaussian(noise_multiplier=0.5)))
-    assert aggregate_event(_plan(1, composed, r=4, t=3)) == Composed(events=(
-        PoissonSubsampledGaussian(noise_multiplier=2.0, sample_rate=0.05, steps=20),
-        Gaussian(noise_multiplier=1.0)))
-    # Without secure aggregation the aggregator sees the upload itself.
-    assert aggregate_event(_plan(1, r=16)) == EVENT
+def test_plan_stores_the_aggregate_event_it_is_given() -> None:
+    # The ledger never derives the aggregate view: the plan carries it, default the local.
+    assert _plan(1).aggregate_event == EVENT
+    assert _plan(1, r=16, t=9).aggregate_event == Composed(events=(
+        PoissonSubsampledGaussian(noise_multiplier=1.0, sample_rate=0.05, steps=19),
+        PoissonSubsampledGaussian(noise_multiplier=math.sqrt(15), sample_rate=0.05, steps=1)))
+
+
+def test_legacy_entries_count_their_local_event_as_aggregate(tmp_path, monkeypatch) -> None:
+    """A ledger written before the aggregate event was stored (the event column holds the
+    bare event in the old canonical JSON, without adjacency; cohort_size 16) reads back
+    soundly: the aggregate view is the local one, not the old z * sqrt(16) guess, and each
+    event gets the adjacency it was stated under then."""
+    import edge_sdk.ledger as ledger_mod
+
+    path = tmp_path / "l.db"
+    shuffle = Gaussian(noise_multiplier=0.5, steps=2, adjacency="substitution")
+    texts = ['{"noise_multiplier":1.0,"sample_rate":0.05,"steps":20,'
+             '"type":"PoissonSubsampledGaussian"}',
+             '{"noise_multiplier":0.5,"steps":2,"type":"Gaussian"}']
+    with monkeypatch.context() as m:  # write as the old code wrote
+        m.setattr(ledger_mod, "_release_to_text", lambda plan: texts[0 if plan.event == EVENT
+                                                                    else 1])
+        with _new(path) as led:
+            led.reserve(Plan(round_id="r1", model_id="m1", event=EVENT, cohort_size=16,
+                             secagg_threshold=9))
+            led.reserve(Plan(round_id="r2", model_id="m1", event=shuffle, cohort_size=16,
+                             secagg_threshold=9))
+    with Ledger.open(path) as led:  # verifies every byte and the chain
+        plans = [r.plan for r in led.reservations()]
+        spent = led.spent()
+        led.reserve(_plan(3, r=16, t=9))  # and goes on in the new format
+        assert led.reservations()[-1].plan == _plan(3, r=16, t=9)
+    assert [(p.event, p.aggregate_event) for p in plans] == [(EVENT, EVENT), (shuffle, shuffle)]
+    assert spent.aggregate_epsilon == spent.local_epsilon == pytest.approx(
+        epsilon_rdp([EVENT, shuffle], BIG.delta))
+    # The old report (z * sqrt(16) = 4) was far lower.
+    old = epsilon_rdp([PoissonSubsampledGaussian(noise_multiplier=4.0, sample_rate=0.05,
+                                                 steps=20),
+                       Gaussian(noise_multiplier=2.0, steps=2, adjacency="substitution")],
+                      BIG.delta)
+    assert old < spent.aggregate_epsilon / 3
+    with pytest.raises(ValueError, match="canonical"):
+        ledger_mod._release_from_text(texts[1].replace(":2,", ": 2,"))
 
 
 # ------------------------------------------------------------------ two-phase spend
@@ -267,7 +308,7 @@ def test_injected_accountant_decides_and_reports(tmp_path) -> None:
         spent = led.spent(delta=1e-3)
         assert (spent.local_epsilon, spent.aggregate_epsilon, spent.delta, spent.entries) == (
             3.0, 3.0, 1e-3, 3)
-        assert seen[0] == [EVENT] * 3 and seen[1] == [aggregate_event(_plan(0, r=4, t=3))] * 3
+        assert seen[0] == [EVENT] * 3 and seen[1] == [_plan(0, r=4, t=3).aggregate_event] * 3
         assert led.accountant is one_per_release
     with _new(tmp_path / "n.db", accountant=lambda events, delta: math.nan) as led:
         with pytest.raises(LedgerError, match="returned nan"):
@@ -287,19 +328,32 @@ def test_aggregate_view_in_spent(tmp_path) -> None:
         led.reserve(_plan(1, r=16, t=9))
         led.reserve(_plan(2, r=16))  # no secure aggregation: the aggregate is the local view
         spent = led.spent()
-    z4 = PoissonSubsampledGaussian(noise_multiplier=4.0, sample_rate=0.05, steps=20)
-    assert spent.aggregate_epsilon == pytest.approx(epsilon_rdp([z4, EVENT], BIG.delta))
+        assert led.reservations()[0].plan == _plan(1, r=16, t=9)  # stored, read back
+    agg = _plan(1, r=16, t=9).aggregate_event
+    assert spent.aggregate_epsilon == pytest.approx(epsilon_rdp([agg, EVENT], BIG.delta))
     assert spent.local_epsilon == pytest.approx(epsilon_rdp([EVENT, EVENT], BIG.delta))
     assert spent.aggregate_epsilon < spent.local_epsilon
+    assert spent.adjacency == "zero_out"
 
 
-def test_mixed_adjacency_is_refused_before_writing(tmp_path) -> None:
+def test_mixed_adjacencies_compose_under_zero_out(tmp_path) -> None:
+    """Add/remove (Poisson) and substitution (without replacement, shuffle) events are all
+    restated under zero-out, the ledger's relation, with their own numbers."""
     wor = SampledWithoutReplacementGaussian(noise_multiplier=1.0, sample_size=5, dataset_size=50)
+    shuffle = Gaussian(noise_multiplier=0.5, steps=2, adjacency="substitution")
     with _new(tmp_path / "l.db") as led:
-        led.reserve(_plan(1))
-        with pytest.raises(ValueError, match="cannot compose PoissonSubsampledGaussian"):
-            led.reserve(_plan(2, wor))
-        assert len(led.entries()) == 1
+        for i, event in enumerate((EVENT, wor, shuffle)):
+            led.reserve(_plan(i, event))
+        spent = led.spent().local_epsilon
+    from edge_sdk.privacy import RdpAccountant
+    acc = RdpAccountant(adjacency="add_remove").compose(EVENT)
+    acc_sub = RdpAccountant(adjacency="substitution").compose(wor).compose(shuffle)
+    summed = RdpAccountant(adjacency="zero_out")
+    summed._rdp = acc.rdp + acc_sub.rdp
+    assert spent == pytest.approx(summed.get_epsilon(BIG.delta), rel=1e-12)
+    # Under add/remove the substitution events have no sound restatement: refused.
+    with pytest.raises(ValueError, match="no sound restatement"):
+        RdpAccountant(adjacency="add_remove").compose(Composed(events=(EVENT, wor)))
 
 
 def test_two_handles_share_one_budget(tmp_path) -> None:
@@ -383,12 +437,13 @@ def _rewrite(path: Path, at: int, new: bytes) -> None:
 def _event_of(data: bytes, round_id: str) -> int:
     """Offset of the event JSON of the reservation of ``round_id`` (its record holds the
     columns in order: kind, reservation, round_id, model_id, time, event, ...)."""
-    return data.index(b'{"noise_multiplier"', data.index(round_id.encode() + b"m1"))
+    return data.index(b'{"aggregate"', data.index(round_id.encode() + b"m1"))
 
 
 def test_altered_entry_breaks_the_chain(tmp_path) -> None:
     path = _filled(tmp_path / "l.db")  # entry 4 is the reservation of round r2
-    at = _event_of(path.read_bytes(), "r2") + len('{"noise_multiplier":')
+    data = path.read_bytes()
+    at = data.index(b'"noise_multiplier":', _event_of(data, "r2")) + len('"noise_multiplier":')
     _rewrite(path, at, b"9")
     with pytest.raises(LedgerCorrupted, match=r"entry 4: hash chain broken \(the entry was"):
         Ledger.open(path)
@@ -398,8 +453,9 @@ def test_altered_entry_with_its_hash_recomputed_breaks_the_next_link(tmp_path) -
     path = _filled(tmp_path / "l.db")
     with Ledger.open(path) as led:
         fourth = led.entries()[3]
-    original = json.dumps(event_to_json(EVENT), sort_keys=True, separators=(",", ":"))
-    forged = original.replace('"noise_multiplier":1.0', '"noise_multiplier":9.0')
+    original = _release_to_text(fourth_plan := _plan(2, r=8, t=5))
+    assert original == _release_to_text(fourth_plan)
+    forged = original.replace('"noise_multiplier":1.0', '"noise_multiplier":9.0', 1)
     row = {**entry_to_json(fourth), "event": forged}
     data = path.read_bytes()
     at = _event_of(data, "r2")
@@ -641,9 +697,7 @@ def _run_crash_test(path: Path, *, cycles: int, kills: int, seed: int) -> dict[s
         assert len(reservations) >= last
         assert spent.entries == len(reservations)
         assert spent.local_epsilon >= epsilon_rdp([child_mod.EVENT] * last, 1e-5) * (1 - 1e-12)
-        agg = aggregate_event(Plan(round_id="x", model_id="m", event=child_mod.EVENT,
-                                   cohort_size=child_mod.COHORT,
-                                   secagg_threshold=child_mod.THRESHOLD))
+        agg = child_mod.AGGREGATE
         assert spent.aggregate_epsilon >= epsilon_rdp([agg] * last, 1e-5) * (1 - 1e-12)
         assert len(pending) <= done_kills  # at most one open reservation per kill
         released = len(reservations)

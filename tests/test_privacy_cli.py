@@ -30,6 +30,22 @@ def test_epsilon_json_contract(capsys) -> None:
     assert wor["epsilon"] > 0 and wor["accountant"] == "rdp"
 
 
+def test_without_replacement_uses_the_substitution_sensitivity(capsys) -> None:
+    """Finding 7 of issue 14: z is relative to the clip bound C, but the without-replacement
+    bound is stated under substitution, whose sensitivity is 2C. At noise std = C (z = 1),
+    B = 32 of m = 600, 20 steps, the old CLI evaluated the bound at z = 1 and printed 3.44;
+    the mechanism's substitution multiplier is 1/2, epsilon 15.54."""
+    from edge_sdk.privacy import RdpAccountant, SampledWithoutReplacementGaussian
+
+    out = _json(capsys, ["privacy", "epsilon", "--noise-multiplier", "1", "--steps", "20",
+                         "--delta", "1e-5", "--sampling", "without-replacement",
+                         "--batch-size", "32", "--dataset-size", "600", "--json"])
+    true = RdpAccountant(adjacency="substitution").compose(SampledWithoutReplacementGaussian(
+        noise_multiplier=0.5, sample_size=32, dataset_size=600, steps=20)).get_epsilon(1e-5)
+    assert out["epsilon"] == pytest.approx(true, rel=1e-12)
+    assert out["epsilon"] == pytest.approx(15.54, abs=0.01)  # was 3.44
+
+
 def test_noise_json_contract_round_trips(capsys) -> None:
     out = _json(capsys, ["privacy", "noise", "--epsilon", "2", "--delta", "1e-5",
                          "--sample-rate", "0.01", "--steps", "500", "--accountant", "rdp",

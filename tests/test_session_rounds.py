@@ -220,6 +220,10 @@ def test_fleet_learns_with_secure_aggregation_and_dropouts(tmp_path, digits, eng
             assert s.model_version == fleet.machine.model_version
         uploads = [o for o in hist if o.completed and name in o.survivors]
         assert len(fleet.ledgers[name].reservations()) >= len(uploads)
+        # the upload is clamped and rounded before the sum: the aggregate view is the local
+        # one, recorded explicitly (issue 14, finding 4)
+        assert all(r.plan.aggregate_event == r.plan.event
+                   for r in fleet.ledgers[name].reservations())
     # every upload stayed below the packet size
     assert all(len(p) <= wire.DEFAULT_MAX_PACKET for _, _, p in fleet.broker.sent
                if "/up/" in _)

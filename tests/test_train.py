@@ -82,7 +82,8 @@ def test_events_released() -> None:
     shuffled = LocalTraining(steps=25, batch_size=32, lr=0.1, clip=1.0, noise_multiplier=1.1,
                              sampling="shuffle")
     # 640 / 32 = 20 batches per epoch: 25 steps touch 2 epochs; substitution: z / 2.
-    assert round_event(640, shuffled) == Gaussian(noise_multiplier=0.55, steps=2)
+    assert round_event(640, shuffled) == Gaussian(noise_multiplier=0.55, steps=2,
+                                                  adjacency="substitution")
 
 
 @pytest.mark.parametrize(

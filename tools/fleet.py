@@ -602,10 +602,12 @@ class Fleet:
             "epsilon": _finite(self.eps_local),
             "epsilon_aggregate": _finite(self.eps_aggregate),
             "epsilon_per_round": [r["epsilon_local"] for r in self.rows],
-            "epsilon_note": ("max over devices' ledgers at delta, every reservation counted. "
-                             "local: against anyone who sees a device's upload; aggregate: "
-                             "against whoever sees only the secure sum (valid under the "
-                             "secure-aggregation threshold assumption)"),
+            "epsilon_note": ("max over devices' ledgers at delta, every reservation counted, "
+                             "zero-out adjacency. local: against anyone who sees a device's "
+                             "upload; aggregate: against whoever sees only the secure sum "
+                             "(threshold, collusion and semi-honest-aggregator assumptions), "
+                             "equal to local wherever uploads are clamped or rounded before "
+                             "the sum, as on every secure-aggregation path"),
             "paper_epsilon": None,
             "delta": cfg.delta,
             "bytes_up_total": m.up_packets,

@@ -4,15 +4,18 @@
 budget's delta) after it, then the totals. ``--json`` prints one object::
 
     {"entries": [{"seq", "kind", "reservation", "round_id", "model_id", "time", "event",
-                  "cohort_size", "secagg_threshold", "prev_hash", "hash",
+                  "aggregate_event", "cohort_size", "secagg_threshold", "prev_hash", "hash",
                   "running_local_epsilon", "running_aggregate_epsilon"}, ...],
      "local_epsilon": float, "aggregate_epsilon": float, "delta": float,
+     "adjacency": "zero_out",
      "accountant": "rdp" | "pld", "budget": {"epsilon": float, "delta": float},
      "device_id": str, "head": str, "reservations": int, "pending": int}
 
 An infinite epsilon (a release without noise) is ``null``. Every reservation counts,
-committed or not. The aggregate figures hold only under the secure-aggregation threshold
-assumption (see :mod:`edge_sdk.ledger`).
+committed or not. Both figures are stated under zero-out adjacency; the aggregate figures
+hold only under the secure-aggregation threshold, collusion and semi-honest-aggregator
+assumptions (see :mod:`edge_sdk.ledger`), and equal the local ones wherever no theorem
+supports less (every round whose upload is clamped or rounded before the sum).
 
 Exit status: 0 ok; 3 the ledger is missing or corrupted (a device must not train on it);
 1 any other ledger error.
@@ -124,6 +127,7 @@ def _show(ledger: Ledger, as_json: bool, accountant: str) -> None:
             "local_epsilon": _finite(spent.local_epsilon),
             "aggregate_epsilon": _finite(spent.aggregate_epsilon),
             "delta": spent.delta,
+            "adjacency": spent.adjacency,
             "accountant": accountant,
             "budget": {"epsilon": ledger.budget.epsilon, "delta": ledger.budget.delta},
             "device_id": ledger.device_id,
@@ -146,6 +150,7 @@ def _show(ledger: Ledger, as_json: bool, accountant: str) -> None:
               f"{r:>4} {t:>4}  {_eps(local):>9} {_eps(agg):>9}  {what}")
     print(f"spent: local eps={_eps(spent.local_epsilon)}, aggregate eps="
           f"{_eps(spent.aggregate_epsilon)} (aggregate valid only under the secure-aggregation "
-          f"threshold assumption) at delta={spent.delta:g}; {spent.entries} reservations, "
+          f"threshold, collusion and semi-honest-aggregator assumptions) at "
+          f"delta={spent.delta:g}, {spent.adjacency} adjacency; {spent.entries} reservations, "
           f"{len(ledger.pending())} pending, all counted; {_eps(ledger.remaining())} of the "
           "budget left")

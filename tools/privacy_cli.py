@@ -42,7 +42,9 @@ def add_privacy_parser(sub: argparse._SubParsersAction) -> None:
     psub = p.add_subparsers(dest="privacy_command", required=True)
     e = psub.add_parser("epsilon", help="epsilon at delta of K subsampled Gaussian steps")
     e.add_argument("--noise-multiplier", type=float, required=True,
-                   help="z: noise std divided by the L2 sensitivity (clip bound)")
+                   help="z: noise std divided by the clip bound C (the add/remove and zero-out "
+                        "sensitivity; without replacement the substitution sensitivity is 2C, "
+                        "so that bound is evaluated at z / 2)")
     _common(e)
     n = psub.add_parser("noise", help="smallest noise multiplier meeting (epsilon, delta)")
     n.add_argument("--epsilon", type=float, required=True, help="target epsilon")
@@ -59,7 +61,9 @@ def _event(args: argparse.Namespace, z: float):
                                          steps=args.steps)
     if args.batch_size is None or args.dataset_size is None:
         raise ValueError("--sampling without-replacement needs --batch-size and --dataset-size")
-    return SampledWithoutReplacementGaussian(noise_multiplier=z, sample_size=args.batch_size,
+    # z is relative to the clip bound C; the Wang-Balle-Kasiviswanathan bound is stated under
+    # substitution, whose sensitivity for a sum of gradients clipped to C is 2C: z / 2.
+    return SampledWithoutReplacementGaussian(noise_multiplier=z / 2, sample_size=args.batch_size,
                                              dataset_size=args.dataset_size, steps=args.steps)
 
 
@@ -67,7 +71,8 @@ def _epsilon(args: argparse.Namespace, z: float) -> tuple[float, str]:
     """(epsilon, accountant actually used)."""
     event = _event(args, z)
     if isinstance(event, SampledWithoutReplacementGaussian):
-        # The without-replacement bound is an RDP bound (substitution adjacency).
+        # The without-replacement bound is an RDP bound (substitution adjacency; it holds for
+        # zero-out too, a zero-out pair being a substitution pair).
         acc = RdpAccountant(adjacency="substitution").compose(event)
         return acc.get_epsilon(args.delta), "rdp"
     if args.accountant == "pld":

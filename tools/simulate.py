@@ -429,7 +429,9 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
                        num_classes=data.num_classes)
     device_data = [(data.x_train[idx], data.y_train[idx]) for idx in shards]
     device_rngs = [np.random.default_rng([cfg.seed, 1, i]) for i in range(cfg.devices)]
-    adjacency = "substitution" if cfg.mechanism == "update-noise" else "add_remove"
+    # Zero-out, the relation the device ledger states everything under: Poisson events keep
+    # their add/remove numbers, without-replacement and shuffle events their substitution ones.
+    adjacency = "zero_out"
     accountants = [(DiscreteRdpAccountant() if cfg.mechanism == "ddg"
                     else RdpAccountant(adjacency=adjacency)) for _ in range(cfg.devices)]
     participated = np.zeros(cfg.devices, dtype=np.int64)
@@ -567,7 +569,7 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
             + ("cpSGD Thm 1 (paper bound) per round, basic composition"
                if cfg.mechanism == "binomial" else
                "distributed discrete Gaussian (KLS 2021 Thm 1) RDP accountant, r shares"
-               if cfg.mechanism == "ddg" else "RDP accountant")),
+               if cfg.mechanism == "ddg" else "RDP accountant, zero-out adjacency")),
         "delta": cfg.delta,
         "paper_epsilon": (finite(float(paper_eps.max()))
                           if cfg.mechanism == "update-noise" else None),

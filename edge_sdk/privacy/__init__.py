@@ -16,10 +16,16 @@ Mechanisms are frozen data (:mod:`~edge_sdk.privacy.events`); accountants interp
 own formulas live in :mod:`edge_sdk.privacy.paper_bounds` (labelled, not re-exported here:
 they are not necessarily sound).
 
+Adjacency is data: every event names the neighbouring relation it holds under
+(add/remove, substitution, zero-out); accountants restate events to theirs soundly or raise
+(:func:`restate`). :func:`aggregate_event` builds the secure-sum view of a round where a
+theorem supports one.
+
 Units throughout: epsilon in nats at a stated delta; ``noise_multiplier`` z is noise std
 divided by L2 sensitivity; RDP in nats per order.
 """
 
+from edge_sdk.privacy.aggregate import aggregate_event
 from edge_sdk.privacy.calibration import calibrate_noise_multiplier, epsilon_for
 from edge_sdk.privacy.discrete import (
     DiscreteEvent,
@@ -33,11 +39,15 @@ from edge_sdk.privacy.discrete import (
     rdp_of,
 )
 from edge_sdk.privacy.events import (
+    ADJACENCIES,
+    IGNORES_NULL_RECORD,
     Composed,
     Event,
     Gaussian,
     PoissonSubsampledGaussian,
     SampledWithoutReplacementGaussian,
+    adjacencies_of,
+    restate,
 )
 from edge_sdk.privacy.pld import DiscretePld, PldAccountant, discretize_subsampled_gaussian
 from edge_sdk.privacy.rdp import (
@@ -60,7 +70,9 @@ from edge_sdk.privacy.zcdp import (
 )
 
 __all__ = [
+    "ADJACENCIES",
     "DEFAULT_ORDERS",
+    "IGNORES_NULL_RECORD",
     "Composed",
     "DiscreteEvent",
     "DiscretePld",
@@ -74,6 +86,8 @@ __all__ = [
     "RdpAccountant",
     "SampledWithoutReplacementGaussian",
     "ZcdpAccountant",
+    "adjacencies_of",
+    "aggregate_event",
     "calibrate_noise_multiplier",
     "compute_rdp",
     "compute_rho",
@@ -90,6 +104,7 @@ __all__ = [
     "rdp_sampled_without_replacement_gaussian",
     "rdp_to_epsilon",
     "rdp_to_epsilon_classic",
+    "restate",
     "rho_to_epsilon",
     "rho_to_epsilon_bun_steinke",
     "rho_to_epsilon_cks",

@@ -9,28 +9,62 @@ Gaussian noise divided by the L2 sensitivity of the query it is added to, under 
 adjacency the event is stated for. ``noise_multiplier == 0`` is allowed and means no noise:
 every accountant then reports an infinite epsilon.
 
-Adjacency:
-    * :class:`Gaussian` holds under whichever adjacency its sensitivity is stated for.
-    * :class:`PoissonSubsampledGaussian`: add/remove one record (Poisson sampling at rate q).
-    * :class:`SampledWithoutReplacementGaussian`: substitution of one record (a fixed batch
-      of ``sample_size`` drawn uniformly from ``dataset_size``; the sensitivity in z is the
-      substitution sensitivity, 2C for a sum of per-sample gradients clipped to C).
+Adjacency is data: every leaf event carries the neighbouring relation its numbers hold
+under, in its ``adjacency`` field, one of
+
+* ``"add_remove"``: D and D' differ by adding or removing one record;
+* ``"substitution"``: D and D' differ by replacing one record by another;
+* ``"zero_out"``: D' is D with one record replaced by the *null record*, whose clipped
+  gradient is 0 (Kairouz, McMahan, Song, Thakkar, Thakurta, Xu 2021, "Practical and private
+  (deep) learning without sampling or shuffling", section 2). Both neighbours have the same
+  number of records, so a device may reveal its data size m without breaking it.
+
+Which events may carry which: :class:`Gaussian` any of the three (z relative to the
+sensitivity under it); :class:`PoissonSubsampledGaussian` add/remove or zero-out;
+:class:`SampledWithoutReplacementGaussian` substitution or zero-out (z relative to the
+substitution sensitivity, 2C for a sum of per-sample gradients clipped to C).
+
+:func:`restate` turns an event into one whose numbers hold under another adjacency, or
+raises; accountants compose only events restated to their own adjacency. Its rules:
+
+1. substitution -> zero-out, unchanged: a zero-out pair is a substitution pair (the null
+   record is a record), so every substitution bound holds for it.
+2. add/remove -> zero-out, unchanged, only for mechanisms that ignore the null record
+   (:data:`IGNORES_NULL_RECORD`): then M(D with the null record) has exactly the law of
+   M(D without the record), and a zero-out pair is an add/remove pair. Every Gaussian and
+   Poisson-subsampled Gaussian event fedge emits is Gaussian noise on a sum of per-record
+   clipped contributions divided by a public constant (the plan's batch size B, never the
+   data size), in which a null record contributes 0 and, under Poisson sampling, is sampled
+   independently of the others. A general add/remove guarantee does NOT imply zero-out.
+3. add/remove or zero-out -> substitution, for :class:`Gaussian` only: by the triangle
+   inequality through D without the record (or with the null record) the substitution
+   sensitivity is at most twice the other, so z becomes z / 2.
+4. Anything else (zero-out or substitution -> add/remove; a subsampled event -> substitution)
+   has no general sound conversion: ValueError.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
-from typing import TypeAlias
+from dataclasses import dataclass, replace
+from typing import Literal, TypeAlias
 
 __all__ = [
+    "ADJACENCIES",
+    "IGNORES_NULL_RECORD",
+    "Adjacency",
     "Composed",
     "Event",
     "Gaussian",
     "PoissonSubsampledGaussian",
     "SampledWithoutReplacementGaussian",
+    "adjacencies_of",
+    "restate",
 ]
+
+Adjacency: TypeAlias = Literal["add_remove", "substitution", "zero_out"]
+ADJACENCIES: tuple[Adjacency, ...] = ("add_remove", "substitution", "zero_out")
 
 
 def _check_noise_multiplier(z: object) -> None:
@@ -38,6 +72,11 @@ def _check_noise_multiplier(z: object) -> None:
         raise ValueError(f"noise_multiplier must be a real number >= 0, got {z!r}")
     if not (math.isfinite(z) and z >= 0):
         raise ValueError(f"noise_multiplier must be finite and >= 0, got {z!r}")
+
+
+def _check_adjacency(cls: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{cls}.adjacency must be one of {', '.join(allowed)}, got {value!r}")
 
 
 def _check_count(name: str, value: object, minimum: int) -> None:
@@ -52,16 +91,20 @@ class Gaussian:
     """The Gaussian mechanism, no subsampling, run ``steps`` times.
 
     Attributes:
-        noise_multiplier: noise std / L2 sensitivity (>= 0; 0 means no privacy).
+        noise_multiplier: noise std / L2 sensitivity under ``adjacency`` (>= 0; 0 means no
+            privacy).
         steps: number of releases (>= 1).
+        adjacency: the neighbouring relation the sensitivity is stated for.
     """
 
     noise_multiplier: float
     steps: int = 1
+    adjacency: Adjacency = "add_remove"
 
     def __post_init__(self) -> None:
         _check_noise_multiplier(self.noise_multiplier)
         _check_count("steps", self.steps, 1)
+        _check_adjacency("Gaussian", self.adjacency, ADJACENCIES)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,17 +112,20 @@ class PoissonSubsampledGaussian:
     """The Gaussian mechanism on a Poisson subsample (each record kept with prob. q).
 
     Add/remove adjacency (DP-SGD with Poisson sampling: Abadi et al. 2016; Mironov,
-    Talwar, Zhang 2019).
+    Talwar, Zhang 2019), or zero-out, under which the same bounds hold (rule 2 of the
+    module docstring).
 
     Attributes:
         noise_multiplier: noise std / L2 sensitivity (>= 0; 0 means no privacy).
         sample_rate: the Poisson rate q in (0, 1] (q = 1 is the plain Gaussian).
         steps: number of releases (>= 1).
+        adjacency: ``"add_remove"`` or ``"zero_out"``.
     """
 
     noise_multiplier: float
     sample_rate: float
     steps: int = 1
+    adjacency: Adjacency = "add_remove"
 
     def __post_init__(self) -> None:
         _check_noise_multiplier(self.noise_multiplier)
@@ -87,6 +133,7 @@ class PoissonSubsampledGaussian:
         if isinstance(q, bool) or not isinstance(q, numbers.Real) or not 0 < q <= 1:
             raise ValueError(f"sample_rate must be in (0, 1], got {q!r}")
         _check_count("steps", self.steps, 1)
+        _check_adjacency("PoissonSubsampledGaussian", self.adjacency, ("add_remove", "zero_out"))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,19 +141,23 @@ class SampledWithoutReplacementGaussian:
     """The Gaussian mechanism on a fixed-size batch drawn without replacement.
 
     Each release draws ``sample_size`` distinct records uniformly from ``dataset_size``.
-    Substitution (replace-one) adjacency, as in Wang, Balle, Kasiviswanathan (2019).
+    Substitution (replace-one) adjacency, as in Wang, Balle, Kasiviswanathan (2019), or
+    zero-out, a special case of it (rule 1 of the module docstring).
 
     Attributes:
-        noise_multiplier: noise std / L2 sensitivity under substitution (>= 0).
+        noise_multiplier: noise std / L2 sensitivity under substitution (>= 0), whatever
+            ``adjacency`` says: 2C is the sensitivity of a sum of gradients clipped to C.
         sample_size: the batch size B, 1 <= B <= dataset_size.
         dataset_size: the number of records m (>= 1).
         steps: number of releases (>= 1).
+        adjacency: ``"substitution"`` or ``"zero_out"``.
     """
 
     noise_multiplier: float
     sample_size: int
     dataset_size: int
     steps: int = 1
+    adjacency: Adjacency = "substitution"
 
     def __post_init__(self) -> None:
         _check_noise_multiplier(self.noise_multiplier)
@@ -118,6 +169,8 @@ class SampledWithoutReplacementGaussian:
                 f"got {self.sample_size!r}"
             )
         _check_count("steps", self.steps, 1)
+        _check_adjacency("SampledWithoutReplacementGaussian", self.adjacency,
+                         ("substitution", "zero_out"))
 
     @property
     def sample_rate(self) -> float:
@@ -155,3 +208,46 @@ Event: TypeAlias = (
     Gaussian | PoissonSubsampledGaussian | SampledWithoutReplacementGaussian | Composed
 )
 _EVENT_TYPES = (Gaussian, PoissonSubsampledGaussian, SampledWithoutReplacementGaussian, Composed)
+
+#: Event types whose mechanism ignores a null record (rule 2 of the module docstring):
+#: their add/remove bounds hold for zero-out pairs unchanged.
+IGNORES_NULL_RECORD: tuple[type, ...] = (Gaussian, PoissonSubsampledGaussian)
+
+
+def restate(event: Event, adjacency: Adjacency) -> Event:
+    """``event`` with numbers that hold under ``adjacency`` (the module docstring's rules).
+
+    Pure: returns a new event (or the same one when nothing changes).
+
+    Raises:
+        ValueError: no sound conversion exists (names the event and both relations), or
+            ``adjacency`` is not one of :data:`ADJACENCIES`.
+    """
+    if adjacency not in ADJACENCIES:
+        raise ValueError(f"adjacency must be one of {', '.join(ADJACENCIES)}, got {adjacency!r}")
+    if isinstance(event, Composed):
+        return Composed(events=tuple(restate(e, adjacency) for e in event.events))
+    if not isinstance(event, _EVENT_TYPES):
+        raise ValueError(f"unsupported privacy event {event!r}")
+    have = event.adjacency
+    if have == adjacency:
+        return event
+    if adjacency == "zero_out" and (
+        have == "substitution" or isinstance(event, IGNORES_NULL_RECORD)
+    ):
+        return replace(event, adjacency="zero_out")
+    if adjacency == "substitution" and isinstance(event, Gaussian):
+        return Gaussian(noise_multiplier=event.noise_multiplier / 2, steps=event.steps,
+                        adjacency="substitution")
+    raise ValueError(
+        f"{type(event).__name__} stated under {have} adjacency has no sound restatement under "
+        f"{adjacency} adjacency (only substitution -> zero-out, add/remove -> zero-out for "
+        "null-ignoring mechanisms, and Gaussian -> substitution at z/2)"
+    )
+
+
+def adjacencies_of(event: Event) -> frozenset[str]:
+    """The adjacencies the leaves of ``event`` are stated under."""
+    if isinstance(event, Composed):
+        return frozenset().union(*(adjacencies_of(e) for e in event.events))
+    return frozenset({event.adjacency})

@@ -34,11 +34,13 @@ import numpy as np
 
 from edge_sdk.privacy._math import ndtr, sf_normal
 from edge_sdk.privacy.events import (
+    Adjacency,
     Composed,
     Event,
     Gaussian,
     PoissonSubsampledGaussian,
     SampledWithoutReplacementGaussian,
+    restate,
 )
 
 __all__ = [
@@ -451,7 +453,13 @@ def _loss_std(z: float, q: float) -> float:
 
 
 class PldAccountant:
-    """PLD accountant (add/remove adjacency): the tightest epsilon we give, an upper bound.
+    """PLD accountant (add/remove or zero-out adjacency): the tightest epsilon we give, an
+    upper bound.
+
+    Under zero-out the Gaussian and Poisson-subsampled Gaussian have exactly their add/remove
+    privacy loss distributions (a zero-out pair is a remove pair for mechanisms that ignore
+    the null record; :mod:`edge_sdk.privacy.events`, rule 2), so the same computation serves
+    both; every event is first restated under the accountant's adjacency.
 
     Events are recorded as data; the composed PLD is built on demand (and cached), which
     lets the grid be chosen for the whole composition. By default (``None``) the spacing
@@ -463,13 +471,19 @@ class PldAccountant:
     Args:
         value_discretization_interval: grid spacing in nats, or None (default) for automatic.
         max_bins: cap on the number of grid points of a composed PLD (default 2**21).
+        adjacency: ``"add_remove"`` (default) or ``"zero_out"``.
     """
 
-    __slots__ = ("_cache", "_counts", "_interval", "_max_bins")
+    __slots__ = ("_adjacency", "_cache", "_counts", "_interval", "_max_bins")
 
     def __init__(
-        self, *, value_discretization_interval: float | None = None, max_bins: int = 1 << 21
+        self, *, value_discretization_interval: float | None = None, max_bins: int = 1 << 21,
+        adjacency: Adjacency = "add_remove",
     ) -> None:
+        if adjacency not in ("add_remove", "zero_out"):
+            raise ValueError(f"the PLD accountant supports adjacency 'add_remove' or 'zero_out', "
+                             f"got {adjacency!r}")
+        self._adjacency = adjacency
         h = value_discretization_interval
         if h is not None and (isinstance(h, bool) or not isinstance(h, numbers.Real) or not (
             math.isfinite(h) and h > 0
@@ -495,6 +509,11 @@ class PldAccountant:
         if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
             raise ValueError(f"count must be an integer >= 0, got {count!r}")
         found: dict[tuple[float, float], int] = {}
+        if not isinstance(event, Composed | Gaussian | PoissonSubsampledGaussian
+                          | SampledWithoutReplacementGaussian):
+            raise ValueError(f"unsupported privacy event {event!r}")
+        if not isinstance(event, SampledWithoutReplacementGaussian):
+            event = restate(event, self._adjacency)
         _leaves(event, int(count), found)
         for key, n in found.items():
             if n:

@@ -28,17 +28,20 @@ import math
 import numbers
 from collections.abc import Iterable, Sequence
 from decimal import Context, Decimal, localcontext
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from edge_sdk.privacy._math import log1pexp, log_expm1, log_ndtr, logsumexp
 from edge_sdk.privacy.events import (
+    ADJACENCIES,
+    Adjacency,
     Composed,
     Event,
     Gaussian,
     PoissonSubsampledGaussian,
     SampledWithoutReplacementGaussian,
+    restate,
 )
 
 __all__ = [
@@ -52,8 +55,6 @@ __all__ = [
     "rdp_to_epsilon",
     "rdp_to_epsilon_classic",
 ]
-
-Adjacency = Literal["add_remove", "substitution"]
 
 #: RDP orders: 1.1 to 10.95 in steps of 0.05, every integer 11..64, then a sparser
 #: integer grid up to 1024. A superset of ``dp_accounting``'s default orders.
@@ -578,27 +579,13 @@ def _wor_rdp(q: float, z: float, a: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------------------ events
 
 
-def _check_event(event: object, adjacency: Adjacency) -> None:
-    """Raise ValueError if ``event`` cannot be accounted under ``adjacency`` (no effects)."""
-    if isinstance(event, Composed):
-        for e in event.events:
-            _check_event(e, adjacency)
-    elif isinstance(event, Gaussian):
-        return
-    elif isinstance(event, PoissonSubsampledGaussian):
-        if adjacency != "add_remove":
-            raise ValueError(
-                "PoissonSubsampledGaussian is stated under add/remove adjacency; "
-                f"this accountant uses adjacency={adjacency!r}"
-            )
-    elif isinstance(event, SampledWithoutReplacementGaussian):
-        if adjacency != "substitution":
-            raise ValueError(
-                "SampledWithoutReplacementGaussian is stated under substitution adjacency; "
-                f"this accountant uses adjacency={adjacency!r} (use adjacency='substitution')"
-            )
-    else:
+def _check_event(event: object, adjacency: Adjacency) -> Event:
+    """``event`` restated under ``adjacency`` (:func:`~edge_sdk.privacy.events.restate`), or
+    ValueError if it cannot be accounted under it (no effects)."""
+    if not isinstance(event, Composed | Gaussian | PoissonSubsampledGaussian
+                      | SampledWithoutReplacementGaussian):
         raise ValueError(f"unsupported privacy event {event!r}")
+    return restate(event, adjacency)
 
 
 def _rdp_of(event: Event, orders: np.ndarray) -> np.ndarray:
@@ -632,8 +619,8 @@ def compute_rdp(
     Args:
         event: the mechanism, as data.
         orders: RDP orders a > 1.
-        adjacency: ``"add_remove"`` (Gaussian, Poisson-subsampled Gaussian) or
-            ``"substitution"`` (Gaussian, sampled-without-replacement Gaussian).
+        adjacency: ``"add_remove"``, ``"substitution"`` or ``"zero_out"``; each event is
+            first restated under it (:func:`~edge_sdk.privacy.events.restate`).
 
     Returns:
         RDP in nats, one value per order (inf where there is no guarantee).
@@ -641,14 +628,14 @@ def compute_rdp(
     Raises:
         ValueError: an event that has no RDP bound under ``adjacency``.
     """
-    if adjacency not in ("add_remove", "substitution"):
-        raise ValueError(f"adjacency must be 'add_remove' or 'substitution', got {adjacency!r}")
+    if adjacency not in ADJACENCIES:
+        raise ValueError(f"adjacency must be one of {', '.join(ADJACENCIES)}, got {adjacency!r}")
     return _compute_rdp(event, _as_orders(orders), adjacency)
 
 
 def _compute_rdp(event: Event, orders: np.ndarray, adjacency: Adjacency) -> np.ndarray:
     """:func:`compute_rdp` on validated orders and adjacency."""
-    _check_event(event, adjacency)
+    event = _check_event(event, adjacency)
     with np.errstate(invalid="ignore"):  # 0 * inf never arises: steps >= 1
         return _rdp_of(event, orders)
 
@@ -741,9 +728,10 @@ class RdpAccountant:
 
     Args:
         orders: RDP orders a > 1 (default :data:`DEFAULT_ORDERS`).
-        adjacency: ``"add_remove"`` (default; Gaussian and Poisson-subsampled Gaussian
-            events) or ``"substitution"`` (Gaussian and sampled-without-replacement
-            Gaussian events).
+        adjacency: ``"add_remove"`` (default), ``"substitution"`` or ``"zero_out"``: the
+            relation every guarantee is stated under. Each composed event is restated under
+            it first (:func:`~edge_sdk.privacy.events.restate`: converted soundly, or
+            ValueError).
 
     Example:
         >>> acc = RdpAccountant().compose(
@@ -760,9 +748,9 @@ class RdpAccountant:
         *,
         adjacency: Adjacency = "add_remove",
     ) -> None:
-        if adjacency not in ("add_remove", "substitution"):
+        if adjacency not in ADJACENCIES:
             raise ValueError(
-                f"adjacency must be 'add_remove' or 'substitution', got {adjacency!r}"
+                f"adjacency must be one of {', '.join(ADJACENCIES)}, got {adjacency!r}"
             )
         self._orders = _as_orders(DEFAULT_ORDERS if orders is None else orders)
         self._rdp = np.zeros_like(self._orders)

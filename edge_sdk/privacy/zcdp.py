@@ -23,11 +23,14 @@ from typing import Literal
 import numpy as np
 
 from edge_sdk.privacy.events import (
+    ADJACENCIES,
+    Adjacency,
     Composed,
     Event,
     Gaussian,
     PoissonSubsampledGaussian,
     SampledWithoutReplacementGaussian,
+    restate,
 )
 
 __all__ = [
@@ -161,19 +164,33 @@ def rho_to_epsilon(rho: float, delta: float, *, conversion: Conversion = "cks") 
 class ZcdpAccountant:
     """Adds up zCDP rho over composed events (check-then-commit) and converts to (eps, delta).
 
+    Args:
+        adjacency: the relation the guarantee is stated under (default ``"add_remove"``);
+            each event is restated under it first (:func:`~edge_sdk.privacy.events.restate`:
+            converted soundly, or ValueError), never mixed silently.
+
     Example:
         >>> acc = ZcdpAccountant().compose(Gaussian(noise_multiplier=10.0, steps=50))
         >>> acc.rho
         0.25
     """
 
-    __slots__ = ("_rho",)
+    __slots__ = ("_adjacency", "_rho")
 
-    def __init__(self) -> None:
+    def __init__(self, *, adjacency: Adjacency = "add_remove") -> None:
+        if adjacency not in ADJACENCIES:
+            raise ValueError(
+                f"adjacency must be one of {', '.join(ADJACENCIES)}, got {adjacency!r}")
+        self._adjacency: Adjacency = adjacency
         self._rho = 0.0
 
     def __repr__(self) -> str:
-        return f"ZcdpAccountant(rho={self._rho!r})"
+        return f"ZcdpAccountant(rho={self._rho!r}, adjacency={self._adjacency!r})"
+
+    @property
+    def adjacency(self) -> Adjacency:
+        """The adjacency relation the guarantee is stated for."""
+        return self._adjacency
 
     @property
     def rho(self) -> float:
@@ -184,6 +201,9 @@ class ZcdpAccountant:
         """Add ``count`` runs of ``event``; returns self. Nothing changes if it raises."""
         if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
             raise ValueError(f"count must be an integer >= 0, got {count!r}")
+        if isinstance(event, Composed | Gaussian | PoissonSubsampledGaussian
+                      | SampledWithoutReplacementGaussian):
+            event = restate(event, self._adjacency)
         increment = compute_rho(event)
         if count:
             self._rho = self._rho + count * increment
