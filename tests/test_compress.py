@@ -289,7 +289,9 @@ def test_qsgd_unbiased_and_variance_within_bound(x: np.ndarray, s: int) -> None:
     u = np.minimum(np.abs(x) / norm, 1.0) * s
     f = u - np.floor(u)
     step = norm / s
-    f32 = 4 * np.finfo(np.float32).eps * norm  # dequantize rounds once to float32
+    # dequantize rounds once to float32; a Python float, so that under NumPy 2 promotion the
+    # tolerances below stay float64 (a float32 f32 * step underflows to 0 for tiny norms)
+    f32 = 4 * float(np.finfo(np.float32).eps) * norm
     se = np.sqrt(step**2 * f * (1 - f) / trials)
     assert np.all(np.abs(draws.mean(axis=0) - x) <= 5 * se + f32)
     # E||Q - x||^2 = step^2 sum f(1-f); per-draw variance from the two-point laws.
