@@ -159,6 +159,9 @@ class _Conn:
             link.stats.refused += 1
             _abort(c_writer)
             return
+        except BaseException:  # cancelled (an outage, or closing) while connecting
+            _abort(c_writer)
+            raise
         loop = asyncio.get_running_loop()
         self.tasks = [loop.create_task(self._pump(c_reader, t_writer, up=True)),
                       loop.create_task(self._pump(t_reader, c_writer, up=False))]
@@ -321,12 +324,12 @@ class Link:
 
     async def reset_all(self) -> int:
         """Reset every open connection now (a link outage); returns how many."""
-        n = 0
-        for t in list(self._conns):
+        tasks = list(self._conns)
+        for t in tasks:
             t.cancel()
-            n += 1
-        self.stats.resets += n
-        return n
+        await asyncio.gather(*tasks, return_exceptions=True)  # each aborts its sockets
+        self.stats.resets += len(tasks)
+        return len(tasks)
 
     async def close(self) -> None:
         if self._server is not None:
