@@ -145,10 +145,12 @@ class ChaosPlan:
     capped_devices: int  # this many also get bandwidth_bps
     bandwidth_bps: float
     stage_timeout: float
+    mass_kills: int = 0  # moments when mass_kill_size devices are SIGKILLed together
+    mass_kill_size: int = 0
 
 
 SHORT = ChaosPlan(devices=5, rounds=4, aggregator_kills=1, device_kills=1, broker_restarts=1,
-                  link_outages=2, window_s=20.0, timeout_s=100.0,
+                  link_outages=2, window_s=15.0, timeout_s=100.0,
                   link=Impairment(latency_s=0.2, jitter_s=0.1, stall_every_s=20.0, stall_s=1.0,
                                   reset_every_s=40.0),
                   capped_devices=2, bandwidth_bps=4000.0, stage_timeout=8.0)
@@ -156,7 +158,8 @@ LONG = ChaosPlan(devices=6, rounds=20, aggregator_kills=4, device_kills=5, broke
                  link_outages=8, window_s=70.0, timeout_s=900.0,
                  link=Impairment(latency_s=0.2, jitter_s=0.1, stall_every_s=15.0, stall_s=1.5,
                                  reset_every_s=30.0),
-                 capped_devices=2, bandwidth_bps=3000.0, stage_timeout=8.0)
+                 capped_devices=2, bandwidth_bps=3000.0, stage_timeout=8.0,
+                 mass_kills=1, mass_kill_size=4)
 
 
 def schedule(plan: ChaosPlan, names: list[str], rng: random.Random) -> list[tuple[float, str,
@@ -170,6 +173,8 @@ def schedule(plan: ChaosPlan, names: list[str], rng: random.Random) -> list[tupl
              for _ in range(plan.broker_restarts)]
     acts += [(rng.uniform(2.0, plan.window_s), "link_outage", rng.choice(names))
              for _ in range(plan.link_outages)]
+    acts += [(rng.uniform(2.0, plan.window_s), "kill_many",
+              ",".join(rng.sample(names, plan.mass_kill_size))) for _ in range(plan.mass_kills)]
     return sorted(acts)
 
 
@@ -273,6 +278,14 @@ def _drive(f: ChaosFleet, plan: ChaosPlan, rng: random.Random, links: dict[str, 
                 done.append({"t": round(now, 1), "action": act, "device": target,
                              "at": agg_stage()})
                 restarts.append((now + rng.uniform(0.5, 4.0), "device", target))
+            elif act == "kill_many":  # more at once than min_survivors tolerates
+                hit = [n for n in target.split(",") if lives[n][-1].p.poll() is None]
+                for n in hit:
+                    lives[n][-1].signal(signal.SIGKILL)
+                    lives[n][-1].wait()
+                    restarts.append((now + rng.uniform(2.0, 6.0), "device", n))
+                done.append({"t": round(now, 1), "action": act, "devices": hit,
+                             "at": agg_stage()})
             elif act == "restart_broker":
                 f.broker.restart()
                 done.append({"t": round(now, 1), "action": act, "at": agg_stage()})
