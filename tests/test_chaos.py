@@ -17,7 +17,8 @@ What must hold, whatever the chaos did:
   device uploads at most once per round across all its lives.
 
 The default suite runs a short version; the long one is ``slow``. Replay a run with its
-seed; write its figures as JSON with ``FEDGE_CHAOS_OUT``::
+seed; write its figures as JSON with ``FEDGE_CHAOS_OUT``; ``FEDGE_CHAOS_NETNS=0`` keeps
+everything on the loopback even where namespaces work::
 
     FEDGE_CHAOS_SEED=13 FEDGE_CHAOS_OUT=out/chaos.json \\
         .venv/bin/python -m pytest tests/test_chaos.py -m slow -s
@@ -64,6 +65,8 @@ _CLONE_NEWNET = 0x40000000
 
 def netns_unavailable() -> str | None:
     """Why devices cannot get their own network namespace here (None: they can)."""
+    if os.environ.get("FEDGE_CHAOS_NETNS") == "0":
+        return "FEDGE_CHAOS_NETNS=0 asked for the loopback"
     if os.geteuid() != 0:
         return "not root: cannot create network namespaces"
     if shutil.which("ip") is None:
