@@ -21,6 +21,11 @@ each so that at rest everything lives in the main file and the WAL is empty. Eac
 stores the mechanism's parameters as canonical JSON (type name and fields, never only an
 epsilon), so any accountant, including ones written later, can recompute the spend.
 
+A full disk, or a file system turned read-only under an open ledger, fails the write
+transaction: sqlite rolls it back and :meth:`Ledger.reserve` raises :class:`LedgerError`
+(nothing recorded, nothing may leave). A ledger on a file system mounted read-only opens
+read-only (:attr:`Ledger.read_only`): it verifies and reports, and refuses every write.
+
 Integrity: ``hash = sha256(prev_hash || canonical_json(row))`` over every column but the
 hash, the first ``prev_hash`` being the hash of the ledger's metadata (device, budget,
 schema cookie). Triggers refuse UPDATE and DELETE. Opening verifies, and fails closed with
@@ -72,6 +77,7 @@ arguments raise ``ValueError`` naming the value and the expectation.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -591,7 +597,7 @@ class Ledger:
     """
 
     __slots__ = ("_accountant", "_clock", "_closed", "_conn", "_entries", "_events",
-                 "_genesis", "_reservations", "budget", "device_id", "path")
+                 "_genesis", "_read_only", "_reservations", "budget", "device_id", "path")
 
     def __init__(self, *, conn: sqlite3.Connection, path: Path, budget: Budget, device_id: str,
                  genesis: str, accountant: EpsilonOf, clock: Callable[[], float]) -> None:
@@ -608,6 +614,7 @@ class Ledger:
         self._closed: dict[int, EntryKind] = {}  # reservation seq -> "commit" | "abort"
         # canonical JSON -> (local, aggregate) events (a device repeats few)
         self._events: dict[str, tuple[Event, Event]] = {}
+        self._read_only: str | None = None  # why nothing can be written (see open)
 
     # ------------------------------------------------------------------------ opening
 
@@ -660,14 +667,31 @@ class Ledger:
             if budget is None or device_id is None:
                 raise ValueError("creating a ledger needs a budget and a device_id")
         _check_header_fields(path)  # before sqlite can rewrite any of them
+        read_only = _read_only_reason(path)
+        if read_only is not None:
+            if create and (not path.exists() or path.stat().st_size == 0):
+                raise LedgerError(f"{path}: cannot create a ledger: {read_only}")
+            if not _wal_is_empty(path):  # immutable mode would not see the WAL's entries
+                raise LedgerError(f"{path}: {read_only}, and its WAL holds entries not yet in "
+                                  "the main file; refusing to read it without them "
+                                  "(remount it read-write)")
         with _sqlite_errors(path, "cannot open", LedgerCorrupted):
-            conn = sqlite3.connect(path, isolation_level=None, timeout=_BUSY_TIMEOUT_S,
-                                   check_same_thread=True)
+            if read_only is None:
+                conn = sqlite3.connect(path, isolation_level=None, timeout=_BUSY_TIMEOUT_S,
+                                       check_same_thread=True)
+            else:
+                # WAL mode cannot open a file whose directory is read-only (no -shm);
+                # immutable can, and is exact here: no one can write a read-only mount
+                # and the WAL is empty. Every write then fails closed (see _transaction).
+                conn = sqlite3.connect(f"{path.resolve().as_uri()}?immutable=1", uri=True,
+                                       isolation_level=None, check_same_thread=True)
         try:
             with _sqlite_errors(path, "cannot open", LedgerCorrupted):
                 for pragma in ("secure_delete=ON", "cell_size_check=ON", "trusted_schema=OFF"):
                     conn.execute(f"PRAGMA {pragma}")
-                if conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0:
+                if read_only is not None:
+                    pass  # _check_header_fields checked the WAL bytes; no journal to set
+                elif conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0:
                     if not create:
                         raise LedgerCorrupted(
                             f"{path}: the file holds no ledger (an interrupted creation?); "
@@ -675,15 +699,18 @@ class Ledger:
                     if budget is None or device_id is None:
                         raise ValueError("creating a ledger needs a budget and a device_id")
                     _create(conn, budget, device_id, clock)
-                mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
-                if mode != "wal":
-                    raise LedgerCorrupted(f"{path}: journal_mode is {mode!r}, expected 'wal'")
-                conn.execute("PRAGMA synchronous=FULL")
+                if read_only is None:
+                    mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+                    if mode != "wal":
+                        raise LedgerCorrupted(f"{path}: journal_mode is {mode!r}, "
+                                              "expected 'wal'")
+                    conn.execute("PRAGMA synchronous=FULL")
                 _check_schema(conn, path)
                 meta = _read_meta(conn, path)
             stored = Budget(epsilon=meta["budget"]["epsilon"], delta=meta["budget"]["delta"])
             ledger = cls(conn=conn, path=path, budget=stored, device_id=meta["device_id"],
                          genesis=meta["hash"], accountant=accountant, clock=clock)
+            ledger._read_only = read_only
             ledger.verify()
         except BaseException:
             conn.close()
@@ -939,9 +966,20 @@ class Ledger:
             entry = self._insert(kind, reservation.plan, reservation.seq)
         self._extend_one(entry)
 
+    @property
+    def read_only(self) -> str | None:
+        """Why this ledger cannot record anything (its file system is read-only), or None.
+        A read-only ledger reads, verifies and reports; every write raises LedgerError."""
+        return self._read_only
+
     @contextmanager
     def _transaction(self, doing: str) -> Iterator[None]:
         conn = self._live()
+        if self._read_only is not None:
+            raise LedgerError(f"{self.path}: cannot {doing}: {self._read_only}; nothing was "
+                              "recorded")
+        # A full disk or a file system turned read-only fails BEGIN, INSERT or COMMIT with
+        # a sqlite error: rolled back, nothing recorded, LedgerError (do not upload).
         with _sqlite_errors(self.path, f"cannot {doing}", LedgerError):
             conn.execute("BEGIN IMMEDIATE")  # the write lock: no one appends meanwhile
             try:
@@ -951,9 +989,12 @@ class Ledger:
                 if self._conn is not None and conn.in_transaction:  # closing rolls back too
                     conn.execute("ROLLBACK")
                 raise
-            # Hygiene, not durability: fold the WAL into the main file so that at rest the
-            # WAL is empty (nothing there to lose to a flipped bit) and the main file alone
-            # holds the ledger. Busy (a reader active) just leaves it for next time.
+        # Hygiene, not durability: fold the WAL into the main file so that at rest the
+        # WAL is empty (nothing there to lose to a flipped bit) and the main file alone
+        # holds the ledger. Busy (a reader active) just leaves it for next time. It runs
+        # after COMMIT returned, so its failure (a disk that just filled up) must not
+        # report the entry, which is on disk and counted, as not recorded.
+        with contextlib.suppress(sqlite3.Error):
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
 
     def _insert(self, kind: EntryKind, plan: Plan, reservation: int | None) -> dict[str, Any]:
@@ -1124,6 +1165,17 @@ _MAGIC = b"SQLite format 3\x00"
 _FIXED = {18: (1, 2), 19: (1, 2), 20: (1, 0), 21: (1, 64), 22: (1, 32), 23: (1, 32),
           44: (4, 4), 48: (4, 0), 52: (4, 0), 56: (4, 1), 60: (4, SCHEMA_VERSION),
           64: (4, 0), 68: (4, APPLICATION_ID)}
+
+
+def _read_only_reason(path: Path) -> str | None:
+    """Why the ledger's directory cannot be written (a read-only mount), or None."""
+    directory = path.parent
+    try:
+        if os.statvfs(directory).f_flag & os.ST_RDONLY:
+            return f"{directory} is on a read-only file system"
+    except OSError:
+        return None  # sqlite will report what is wrong with the path
+    return None
 
 
 def _wal_is_empty(path: Path) -> bool:

@@ -315,6 +315,8 @@ class DeviceSession:
             taken = any(res.plan.round_id == key for res in self._ledger.reservations())
         except LedgerError as e:  # a broken ledger: never train
             return self._decline(plan, "ledger", str(e))
+        if self._ledger.read_only is not None:  # it could never record the spend: no training
+            return self._decline(plan, "ledger", self._ledger.read_only)
         if taken:
             # a reservation means the upload may have left before a restart: never twice
             return self._decline(plan, "already_committed",
@@ -458,7 +460,9 @@ class DeviceSession:
                                             "round": r.plan.round_id, "reason": str(e)}})
             plan = r.plan
             self._end_round("reserve failed")
-            return self._decline(plan, "budget", str(e))
+            # a full disk or read-only file system is not a spent budget: say which
+            return self._decline(plan, "budget" if isinstance(e, BudgetExhausted) else "ledger",
+                                 str(e))
         self._inputs[r.plan.round_id] = r.residues.copy()
         while len(self._inputs) > _KEPT_INPUTS:
             del self._inputs[min(self._inputs)]

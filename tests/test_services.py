@@ -155,10 +155,11 @@ class ServiceFleet:
     """Broker + enrolled fleet directory + in-process device sessions on one loop."""
 
     def __init__(self, tmp: Path, digits: Any, engine: Any, *, devices: int,
-                 in_process: int, policy: dict[str, Any]) -> None:
+                 in_process: int, policy: dict[str, Any], broker_host: str = "127.0.0.1") -> None:
         self.tmp = tmp
         self.names = [f"dev-{i:04d}" for i in range(devices)]
-        self.broker = Broker(devices=self.names, fleet=FLEET, directory=tmp / "broker")
+        self.broker = Broker(devices=self.names, fleet=FLEET, directory=tmp / "broker",
+                             host=broker_host)  # type: ignore[arg-type]
         self.broker.start()
         self.fleet = enroll(tmp / "fleet", devices=self.names, fleet=FLEET,
                             broker_config=self.broker.config, policy=policy,
