@@ -71,6 +71,7 @@ _KEY_WORDS = 4  # 32-byte ChaCha20 key
 _BLOCK_WORDS = 1 << 15  # 256 KiB of output per rekey
 _CHUNK = 8192  # Gaussians per pass of the four-sum (32768 polar draws; measured best)
 _PAIRS = 2 * _CHUNK  # polar slots per pass (work buffers ~1.2 MiB, reused)
+_SLOT_PASS_MIN = 1024  # fewer slots: per-call overhead dominates, skip the in-place pass
 _TWO64 = 1 << 64
 _INV53 = 2.0**-53
 
@@ -300,16 +301,22 @@ class SecureRng:
 
         Slot i holds the pair (dst[i], dst[p + i]). The first pass draws a pair for every
         slot in place (no compaction, the costly step); a slot whose pair is rejected
-        (about 21%) is open. Later passes draw :func:`_refill_pairs` pairs and give the
+        (about 21%) is open. Below ``_SLOT_PASS_MIN`` slots there is no such pass: all are
+        open. Later passes draw :func:`_refill_pairs` pairs and give the
         open slots, in order, the accepted pairs in stream order, until none is open.
         Every slot so holds its first accepted pair, a polar draw, and the slots are
         independent (which slots are open does not depend on the values kept).
         """
         s, t, fac, _, _, sub, _ = self._scratch()
         p = dst.size // 2
-        open_ = np.flatnonzero(~self._polar_pass(dst))
+        if p >= _SLOT_PASS_MIN:
+            open_ = np.flatnonzero(~self._polar_pass(dst))
+        else:  # few slots: one oversampled pass below (usually) fills them all, one pass
+            open_ = np.arange(p)  # fewer than the slot pass and its refill
+        top = p if p >= _SLOT_PASS_MIN else 0  # the most pairs a pass used
         while open_.size:
             m = _refill_pairs(open_.size)
+            top = max(top, m)
             buf = sub[:2 * m]
             kept = np.flatnonzero(self._polar_pass(buf))[:open_.size]
             j = kept.size
@@ -318,7 +325,7 @@ class SecureRng:
             open_ = open_[j:]
             buf.fill(0.0)
         # nothing that would let a later look at memory recompute these draws stays there
-        for b in (s[:p], t[:p], fac[:p]):
+        for b in (s[:top], t[:top], fac[:top]):
             b.fill(0.0)
 
     def standard_normal(self, size: Any = None) -> Any:

@@ -103,16 +103,20 @@ def _uniform_stream(key: bytes, count: int) -> np.ndarray:
 
 
 def _reference_polar(u_stream: np.ndarray, p: int) -> np.ndarray:
-    """Slot i of 2p gets its first accepted polar pair: the first pass's pair i, or else
-    the next accepted pair of the refill passes (sizes from csprng._refill_pairs)."""
+    """Slot i of 2p gets its first accepted polar pair: the first pass's pair i (when p is
+    large enough for that pass), or else the next accepted pair of the refill passes
+    (sizes from csprng._refill_pairs)."""
     def polar(u, v):
         s = u * u + v * v
         ok = (s > 0) & (s < 1)
         f = np.sqrt(-2.0 * np.log(np.where(ok, s, 0.5)) / np.where(ok, s, 0.5))
         return u * f, v * f, ok
 
-    gu, gv, ok = polar(u_stream[:p], u_stream[p:2 * p])
-    pos, open_ = 2 * p, list(np.flatnonzero(~ok))
+    if p >= csprng._SLOT_PASS_MIN:  # noqa: SLF001
+        gu, gv, ok = polar(u_stream[:p], u_stream[p:2 * p])
+        pos, open_ = 2 * p, list(np.flatnonzero(~ok))
+    else:  # few slots: no in-place pass, all open
+        gu, gv, pos, open_ = np.zeros(p), np.zeros(p), 0, list(range(p))
     while open_:
         m = csprng._refill_pairs(len(open_))  # noqa: SLF001
         ru, rv, rok = polar(u_stream[pos:pos + m], u_stream[pos + m:pos + 2 * m])
@@ -123,8 +127,9 @@ def _reference_polar(u_stream: np.ndarray, p: int) -> np.ndarray:
     return np.concatenate([gu, gv])
 
 
-@pytest.mark.parametrize("short_refills", [False, True])
-def test_polar_slots_match_a_reference_from_the_keystream(monkeypatch, short_refills) -> None:
+@pytest.mark.parametrize(("p", "short_refills"), [(5000, False), (5000, True), (20, False),
+                                                  (100, True)])
+def test_polar_slots_match_a_reference_from_the_keystream(monkeypatch, p, short_refills) -> None:
     """Every slot holds its first accepted pair, recomputed here from the raw words (also
     when refill passes come up short and must repeat); the uniforms are the exact
     ((w >> 11) - 2^52) * 2^-52."""
@@ -132,7 +137,6 @@ def test_polar_slots_match_a_reference_from_the_keystream(monkeypatch, short_ref
         monkeypatch.setattr(csprng, "_refill_pairs", lambda r: r // 4 + 1)
     key = _key("slots")(32)
     r = SecureRng(random_bytes=_key("slots"))
-    p = 5000
     got = np.empty(2 * p)
     r._polar_into(got)  # noqa: SLF001
     want = _reference_polar(_uniform_stream(key, 20 * p), p)
