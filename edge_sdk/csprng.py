@@ -19,7 +19,9 @@ Generator (fast-key-erasure, Bernstein 2017, on the mask PRG)::
 
 It reuses ``secagg.prg_expand`` (``update_into`` into a reused buffer; no further copy of
 the keystream code). Replacing the key by the block's first words, and zeroing words once
-handed out, means a later look at the process memory does not reveal earlier output.
+handed out, means a later look at the process memory does not reveal earlier output; the
+Gaussian sampler, which converts words where they lie in the block and works in reused
+buffers (for speed: no temporaries), zeroes those words and buffers before it returns.
 
 What it guarantees:
 
