@@ -19,7 +19,9 @@ Generator (fast-key-erasure, Bernstein 2017, on the mask PRG)::
 
 It reuses ``secagg.prg_expand`` (``update_into`` into a reused buffer; no further copy of
 the keystream code). Replacing the key by the block's first words, and zeroing words once
-handed out, means a later look at the process memory does not reveal earlier output.
+handed out, means a later look at the process memory does not reveal earlier output; the
+Gaussian sampler, which converts words where they lie in the block and works in reused
+buffers (for speed: no temporaries), zeroes those words and buffers before it returns.
 
 What it guarantees:
 
@@ -69,7 +71,9 @@ __all__ = ["Rng", "RoundRng", "SecureRng", "secure_round_rng", "seeded_round_rng
 
 _KEY_WORDS = 4  # 32-byte ChaCha20 key
 _BLOCK_WORDS = 1 << 15  # 256 KiB of output per rekey
-_CHUNK = 2048  # Gaussians per pass (8192 polar draws: the temporaries stay in cache)
+_CHUNK = 8192  # Gaussians per pass of the four-sum (32768 polar draws; measured best)
+_PAIRS = 2 * _CHUNK  # polar slots per pass (work buffers ~1.2 MiB, reused)
+_SLOT_PASS_MIN = 1024  # fewer slots: per-call overhead dominates, skip the in-place pass
 _TWO64 = 1 << 64
 _INV53 = 2.0**-53
 
@@ -131,6 +135,12 @@ def _count(size: Any) -> tuple[int, tuple[int, ...] | None]:
     return math.prod(shape), shape
 
 
+def _refill_pairs(open_slots: int) -> int:
+    """Pairs to draw for ``open_slots`` open polar slots: 4/pi per slot (the acceptance is
+    pi/4) plus about 6 standard deviations, so one pass almost always fills them all."""
+    return min(_PAIRS, int(1.2733 * open_slots + 3 * math.sqrt(open_slots)) + 8)
+
+
 def _shaped(a: np.ndarray, shape: tuple[int, ...] | None) -> Any:
     return a[0].item() if shape is None else a.reshape(shape)
 
@@ -143,7 +153,7 @@ class SecureRng:
             pass a deterministic source to make a run reproducible).
     """
 
-    __slots__ = ("_key", "_buf", "_pos")
+    __slots__ = ("_key", "_buf", "_pos", "_work")
 
     def __init__(self, *, random_bytes: Callable[[int], bytes] = os.urandom) -> None:
         key = random_bytes(32)
@@ -152,6 +162,7 @@ class SecureRng:
         self._key = key
         self._buf = np.empty(_KEY_WORDS + _BLOCK_WORDS, dtype=np.uint64)
         self._pos = len(self._buf)
+        self._work: tuple[np.ndarray, ...] | None = None
 
     # ------------------------------------------------------------------ words
 
@@ -228,53 +239,127 @@ class SecureRng:
             out = (r.astype(np.int64) + np.int64(lo)).astype(dt)
         return out.reshape(shape)
 
-    def _polar(self, n: int) -> np.ndarray:
-        """n N(0, 1) draws by Marsaglia's polar method (Box-Muller without sin/cos)."""
-        parts, have = [], 0
-        while have < n:
-            m = (n - have + 1) // 2
-            m += m // 3 + 16  # acceptance pi/4: one pass almost always suffices
-            w = (self.words(2 * m) >> np.uint64(11)).view(np.int64)
-            w -= 1 << 52
-            uv = w.astype(np.float64).reshape(2, m)
-            uv *= 2.0**-52  # 53-bit grid on [-1, 1)
-            s = np.einsum("ij,ij->j", uv, uv)
-            keep = s < 1.0
-            s = s[keep]
-            g = np.compress(keep, uv, axis=1)
-            if not s.all():  # s == 0 (probability 2^-106 a pair): reject it too
-                g, s = g[:, s > 0], s[s > 0]
-            f = np.log(s)
-            f *= -2.0
-            f /= s
-            np.sqrt(f, out=f)
-            g *= f
-            parts.append(g.ravel())
-            have += g.size
-        return (parts[0] if len(parts) == 1 else np.concatenate(parts))[:n]
+    def _signed53_into(self, f: np.ndarray) -> None:
+        """Fill ``f`` (float64, 1-D, contiguous) with uniforms on the 53-bit grid of [-1, 1).
+
+        Each value is ``((w >> 11) - 2^52) * 2^-52`` for a fresh word w: an integer of
+        magnitude at most 2^52 (exact in float64) times a power of two, so exact. The words
+        are converted where they lie in the block (no copy) and zeroed at once (fast key
+        erasure: once used they are not kept in memory).
+        """
+        done, k = 0, f.size
+        while done < k:
+            if self._pos == len(self._buf):
+                self._rekeyed(self._buf)
+                self._pos = _KEY_WORDS
+            take = min(k - done, len(self._buf) - self._pos)
+            w = self._buf[self._pos:self._pos + take]
+            w >>= np.uint64(11)
+            signed = w.view(np.int64)
+            signed -= 1 << 52
+            dst = f[done:done + take]
+            np.copyto(dst, signed, casting="unsafe")  # |signed| <= 2^52: exact
+            dst *= 2.0**-52
+            w.fill(0)
+            self._pos += take
+            done += take
+
+    def _scratch(self) -> tuple[np.ndarray, ...]:
+        """The Gaussian path's work buffers, made on first use and then reused: fresh large
+        temporaries cost allocation and page faults; reused ones stay in cache."""
+        if self._work is None:  # zeros (calloc'd pages): no stale heap contents either
+            self._work = (np.zeros(_PAIRS), np.zeros(_PAIRS), np.zeros(_PAIRS),
+                          np.zeros(_PAIRS, dtype=bool), np.zeros(_PAIRS, dtype=bool),
+                          np.zeros(2 * _PAIRS), np.zeros(4 * _CHUNK))
+        return self._work
+
+    def _polar_pass(self, buf: np.ndarray) -> np.ndarray:
+        """Fresh 53-bit uniforms on [-1, 1) into ``buf`` (length 2k: k pairs, the u of all
+        pairs then their v), each pair turned in place into (u f, v f) with
+        f = sqrt(-2 ln(s) / s), s = u^2 + v^2. Returns the mask of the pairs Marsaglia's
+        polar method accepts, 0 < s < 1; the others hold garbage (inf or nan)."""
+        s, t, fac, acc, pos, _, _ = self._scratch()
+        k = buf.size // 2
+        self._signed53_into(buf)
+        u, v, sk, tk, fk, ak, pk = buf[:k], buf[k:], s[:k], t[:k], fac[:k], acc[:k], pos[:k]
+        np.multiply(u, u, out=sk)
+        np.multiply(v, v, out=tk)
+        sk += tk
+        np.less(sk, 1.0, out=ak)
+        np.greater(sk, 0.0, out=pk)  # s == 0 (probability 2^-106 a pair): rejected too
+        ak &= pk
+        with np.errstate(divide="ignore", invalid="ignore"):  # rejected pairs: inf or nan
+            np.log(sk, out=fk)
+            fk *= -2.0
+            fk /= sk
+            np.sqrt(fk, out=fk)
+            u *= fk
+            v *= fk
+        return ak
+
+    def _polar_into(self, dst: np.ndarray) -> None:
+        """Fill ``dst`` (float64, contiguous, even length 2p, p <= _PAIRS) with N(0, 1)
+        draws by Marsaglia's polar method.
+
+        Slot i holds the pair (dst[i], dst[p + i]). The first pass draws a pair for every
+        slot in place (no compaction, the costly step); a slot whose pair is rejected
+        (about 21%) is open. Below ``_SLOT_PASS_MIN`` slots there is no such pass: all are
+        open. Later passes draw :func:`_refill_pairs` pairs and give the
+        open slots, in order, the accepted pairs in stream order, until none is open.
+        Every slot so holds its first accepted pair, a polar draw, and the slots are
+        independent (which slots are open does not depend on the values kept).
+        """
+        s, t, fac, _, _, sub, _ = self._scratch()
+        p = dst.size // 2
+        if p >= _SLOT_PASS_MIN:
+            open_ = np.flatnonzero(~self._polar_pass(dst))
+        else:  # few slots: one oversampled pass below (usually) fills them all, one pass
+            open_ = np.arange(p)  # fewer than the slot pass and its refill
+        top = p if p >= _SLOT_PASS_MIN else 0  # the most pairs a pass used
+        while open_.size:
+            m = _refill_pairs(open_.size)
+            top = max(top, m)
+            buf = sub[:2 * m]
+            kept = np.flatnonzero(self._polar_pass(buf))[:open_.size]
+            j = kept.size
+            dst[open_[:j]] = buf[kept]
+            dst[p + open_[:j]] = buf[m + kept]
+            open_ = open_[j:]
+            buf.fill(0.0)
+        # nothing that would let a later look at memory recompute these draws stays there
+        for b in (s[:top], t[:top], fac[:top]):
+            b.fill(0.0)
 
     def standard_normal(self, size: Any = None) -> Any:
         """N(0, 1) values, each the sum of four polar draws over 2 (module docstring)."""
         n, shape = _count(size)
+        return _shaped(self._hardened(n, 0.5), shape)
+
+    def _hardened(self, n: int, factor: float) -> np.ndarray:
+        """``n`` values ``(g_1 + g_2 + g_3 + g_4) * factor``, the g_i independent polar
+        draws; factor = scale / 2 gives N(0, scale^2)."""
         out = np.empty(n, dtype=np.float64)
-        for i in range(0, n, _CHUNK):  # small chunks: the temporaries stay in cache
+        work = self._scratch()[-1]
+        for i in range(0, n, _CHUNK):  # one chunk's draws fit the reused buffers
             c = min(_CHUNK, n - i)
-            g = self._polar(4 * c)
+            g = work[:4 * c]
+            self._polar_into(g)
             o = out[i:i + c]
             np.add(g[:c], g[c:2 * c], out=o)
             o += g[2 * c:3 * c]
             o += g[3 * c:]
-            o *= 0.5
-        return _shaped(out, shape)
+            o *= factor
+        work[:4 * min(n, _CHUNK)] = 0.0  # the draws are not kept once summed
+        return out
 
     def normal(self, loc: float = 0.0, scale: float = 1.0, size: Any = None) -> Any:
         """N(loc, scale^2) values (:meth:`standard_normal` scaled)."""
         if not scale >= 0:
             raise ValueError(f"scale must be >= 0, got {scale!r}")
         n, shape = _count(size)
-        z = self.standard_normal(n)
-        z *= scale
-        z += loc
+        z = self._hardened(n, 0.5 * scale)  # (sum * 0.5) * scale: 0.5 is exact either way
+        if loc != 0:
+            z += loc
         return _shaped(z, shape)
 
     def _order(self, n: int) -> np.ndarray:

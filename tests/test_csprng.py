@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge_sdk import compress, ddp
+from edge_sdk import compress, csprng, ddp
 from edge_sdk.csprng import SecureRng, secure_round_rng, seeded_round_rng
 from edge_sdk.device import ConfigError, DeviceConfig
 from edge_sdk.session import DeviceSession
@@ -76,11 +76,109 @@ def test_bad_key_source_is_refused() -> None:
 
 def test_normal_is_four_draws_summed_and_halved() -> None:
     """The floating-point hardening (Holohan and Braghin; Opacus secure_mode) is there."""
-    a, b = _rng("n"), _rng("n")
-    z = a.standard_normal(3000)
-    g = b._polar(4 * 2048)  # the first chunk: 2048 outputs from 4 * 2048 draws
-    want = (g[:2048] + g[2048:4096] + g[4096:6144] + g[6144:]) * 0.5
-    assert np.array_equal(z[:2048], want)
+    a, b, c = _rng("n"), _rng("n"), _rng("n")
+    n = csprng._CHUNK + 1000  # noqa: SLF001 (two chunks, the second partial)
+    z = a.standard_normal(n)
+    want = []
+    for size in (csprng._CHUNK, 1000):  # noqa: SLF001
+        g = np.empty(4 * size)
+        b._polar_into(g)  # noqa: SLF001
+        want.append((g[:size] + g[size:2 * size] + g[2 * size:3 * size] + g[3 * size:]) * 0.5)
+    assert np.array_equal(z, np.concatenate(want))
+    # normal scales the same sum: (sum / 2) * scale, bit for bit, then shifts it
+    assert np.array_equal(c.normal(1.5, 2.0, size=n), z * 2.0 + 1.5)
+
+
+def _uniform_stream(key: bytes, count: int) -> np.ndarray:
+    """The generator's signed 53-bit uniforms, recomputed from the keystream by hand."""
+    from edge_sdk.secagg import prg_expand
+
+    words = []
+    while sum(w.size for w in words) < count:
+        block = prg_expand(key, 4 + (1 << 15))
+        key = block[:4].tobytes()
+        words.append(block[4:])
+    w = np.concatenate(words)[:count]
+    return ((w >> np.uint64(11)).astype(np.int64) - 2**52).astype(np.float64) * 2.0**-52
+
+
+def _reference_polar(u_stream: np.ndarray, p: int) -> np.ndarray:
+    """Slot i of 2p gets its first accepted polar pair: the first pass's pair i (when p is
+    large enough for that pass), or else the next accepted pair of the refill passes
+    (sizes from csprng._refill_pairs)."""
+    def polar(u, v):
+        s = u * u + v * v
+        ok = (s > 0) & (s < 1)
+        f = np.sqrt(-2.0 * np.log(np.where(ok, s, 0.5)) / np.where(ok, s, 0.5))
+        return u * f, v * f, ok
+
+    if p >= csprng._SLOT_PASS_MIN:  # noqa: SLF001
+        gu, gv, ok = polar(u_stream[:p], u_stream[p:2 * p])
+        pos, open_ = 2 * p, list(np.flatnonzero(~ok))
+    else:  # few slots: no in-place pass, all open
+        gu, gv, pos, open_ = np.zeros(p), np.zeros(p), 0, list(range(p))
+    while open_:
+        m = csprng._refill_pairs(len(open_))  # noqa: SLF001
+        ru, rv, rok = polar(u_stream[pos:pos + m], u_stream[pos + m:pos + 2 * m])
+        pos += 2 * m
+        for i in np.flatnonzero(rok)[:len(open_)]:
+            slot = open_.pop(0)
+            gu[slot], gv[slot] = ru[i], rv[i]
+    return np.concatenate([gu, gv])
+
+
+@pytest.mark.parametrize(("p", "short_refills"), [(5000, False), (5000, True), (20, False),
+                                                  (100, True)])
+def test_polar_slots_match_a_reference_from_the_keystream(monkeypatch, p, short_refills) -> None:
+    """Every slot holds its first accepted pair, recomputed here from the raw words (also
+    when refill passes come up short and must repeat); the uniforms are the exact
+    ((w >> 11) - 2^52) * 2^-52."""
+    if short_refills:  # a quarter of the pairs needed: several refill passes per call
+        monkeypatch.setattr(csprng, "_refill_pairs", lambda r: r // 4 + 1)
+    key = _key("slots")(32)
+    r = SecureRng(random_bytes=_key("slots"))
+    got = np.empty(2 * p)
+    r._polar_into(got)  # noqa: SLF001
+    want = _reference_polar(_uniform_stream(key, 20 * p), p)
+    assert np.all(np.isfinite(got))
+    # log and sqrt may round a last bit differently in a vector's tail: a wrong pair or a
+    # wrong slot would be off by far more than 4 ulp
+    np.testing.assert_allclose(got, want, rtol=1e-15, atol=0)
+
+
+def test_gaussian_path_leaves_no_draws_in_memory() -> None:
+    """Fast key erasure for the Gaussian path: words are zeroed once used, and the reused
+    work buffers hold nothing from which the returned noise could be recomputed."""
+    r = _rng("erase")
+    r.normal(0.0, 3.0, size=csprng._CHUNK + 77)  # noqa: SLF001
+    assert not r._buf[4:r._pos].any()  # noqa: SLF001 (used words: zero)
+    assert r._buf[r._pos:].any()  # noqa: SLF001 (the unused rest of the block is intact)
+    for b in r._work:  # noqa: SLF001
+        if b.dtype == np.float64:
+            assert not b.any()
+
+
+def test_polar_draws_are_standard_normal() -> None:
+    """The single polar draws (before the four-sum): equiprobable-bin chi-square, tails,
+    and no correlation between a slot's two values or between neighbouring slots."""
+    from statistics import NormalDist
+
+    r = _rng("polar")
+    p = csprng._PAIRS  # noqa: SLF001 (the most slots one call fills)
+    g = np.empty(2 * p)
+    draws = []
+    for _ in range(12):
+        r._polar_into(g)  # noqa: SLF001
+        draws.append(g.copy())
+    x = np.concatenate(draws)
+    edges = np.array([NormalDist().inv_cdf(i / 40) for i in range(1, 40)])
+    counts = np.bincount(np.searchsorted(edges, x), minlength=40)
+    assert _chi2_ok(counts, np.full(40, x.size / 40))
+    assert abs(np.mean(np.abs(x) > 3) - 0.00269979606) < 6 * math.sqrt(0.0027 / x.size)
+    slots = np.stack([d.reshape(2, p) for d in draws], axis=1).reshape(2, -1)
+    u, v = slots
+    for a, b in ((u, v), (u[:-1], u[1:])):
+        assert abs(np.corrcoef(a, b)[0, 1]) < 6 / math.sqrt(a.size)
 
 
 # ----------------------------------------------------------------------- distributions
