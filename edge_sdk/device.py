@@ -261,6 +261,9 @@ class DeviceConfig:
         model: a zoo name (``logreg-64-10``) or manifest: a manifest path; exactly one.
         backend: ``"onnx"`` or ``"numpy"``; threads: onnxruntime intra-op threads.
         checkin_every: seconds between check-ins outside rounds (None: never repeat).
+        max_colluders: the most cohort members this device assumes collude with the
+            aggregator (default 1); the ledger's aggregate view uses the larger of this and
+            the plan's (``DeviceSession``).
         max_packet: largest MQTT payload the device sends (uploads are chunked below it).
         keepalive_s, backoff_initial_s, backoff_max_s: MQTT connection policy.
     """
@@ -282,6 +285,7 @@ class DeviceConfig:
     backend: str = "onnx"
     threads: int = 1
     checkin_every: float | None = 30.0
+    max_colluders: int = 1
     max_packet: int = wire.DEFAULT_MAX_PACKET
     keepalive_s: int = 30
     backoff_initial_s: float = 0.25
@@ -304,6 +308,10 @@ class DeviceConfig:
                 isinstance(self.checkin_every, int | float)
                 and math.isfinite(self.checkin_every) and self.checkin_every > 0):
             raise ConfigError(f"checkin_every must be > 0 seconds, got {self.checkin_every!r}")
+        if isinstance(self.max_colluders, bool) or not isinstance(self.max_colluders, int) \
+                or self.max_colluders < 0:
+            raise ConfigError(f"max_colluders must be an integer >= 0, "
+                              f"got {self.max_colluders!r}")
         if (self.model is None) == (self.manifest is None):
             raise ConfigError("give exactly one of 'model' (a zoo name) and 'manifest'")
         if not isinstance(self.max_packet, int) or self.max_packet < 512:
@@ -345,7 +353,7 @@ class DeviceConfig:
                        "backoff_initial_s", "backoff_max_s"}, f"{path} [broker]")
         top = take(data, {"fleet", "device", "identity", "registry", "ledger", "model",
                           "manifest", "backend", "threads", "checkin_every",
-                          "max_packet"}, str(path))
+                          "max_colluders", "max_packet"}, str(path))
         values: dict[str, Any] = dict(top)
         for key in ("identity", "registry", "ledger", "manifest"):
             values[key] = path_in(base, top.get(key), key)
@@ -549,7 +557,7 @@ class Device:
                 engine=engine, spec=spec, data=feed,
                 round_rng=secure_round_rng(os.urandom),  # never seeded, never configurable
                 random_bytes=os.urandom, max_packet=config.max_packet,
-                checkin_every=config.checkin_every)
+                checkin_every=config.checkin_every, max_colluders=config.max_colluders)
             emit = on_event if on_event is not None else _log_event(config.device)
             agent = _Agent(session, feed, emit)
             loop = MqttLoop(BrokerAddress(host=config.broker_host, port=config.broker_port,

@@ -17,8 +17,10 @@ One round (DESIGN, "One round, as data flows"), for a device in the plan's cohor
    :class:`~edge_sdk.wire.Decline`. Otherwise train (``edge_sdk.train.local_round`` with
    the round's rand-k set), quantize (QSGD, optional), clamp to the plan's value bound,
    encode in fixed point mod 2^bits, and advertise secure-aggregation keys.
-2. neighbour keys -> share keys; forwarded shares -> mask the input, **reserve the spend
-   in the ledger** (durable), and only then return the upload (chunked) for sending.
+   The spend is **reserved in the ledger** (durable) after the budget check and before
+   training: every later outcome may depend on the noisy update.
+2. neighbour keys -> share keys; forwarded shares -> mask the input and return the upload
+   (chunked) for sending.
 3. unmask request -> refuse one naming fewer than the plan's ``min_survivors`` uploads
    (the ledger's aggregate view is accounted on at least that many; nothing is
    revealed), else answer it and commit the reservation (the request proves the
@@ -26,9 +28,16 @@ One round (DESIGN, "One round, as data flows"), for a device in the plan's cohor
    it and checks in again.
 
 Nothing that depends on the local update leaves before the ledger holds the round's
-reservation: the upload (step 2) and also the ``diverged`` decline, which tells the
-aggregator a bit of the noisy update (if the ledger cannot reserve, the device sends
-nothing and lets the round time out).
+reservation: the round is reserved before training, so the upload, the ``diverged``
+decline (a bit of the noisy update) and the device's silence are all counted; a device
+whose ledger cannot reserve declines before training ("ledger" or "budget").
+
+Not covered: timing. The advertise message leaves right after training, so its delay
+reveals roughly how long training took, hence the sum of the Poisson batch sizes, which the
+accounting treats as hidden. Revealing every batch size is a mixture over the sizes, so it
+can only raise epsilon; an RDP upper bound with every size revealed is +2.8% at the fleet
+settings (m = 600, B = 32, z = 1, 20 steps: 2.60 -> 2.67). A fixed-cost step (batches padded
+to a public capacity) would close it.
 
 Randomness: all randomness of a round (batches, DP noise, quantization, rounding) comes
 from ``round_rng(round_id)``, injected with no default: on a device
@@ -120,6 +129,11 @@ class DeviceSession:
             seeded generator is never picked by omission.
         random_bytes: key material for secure aggregation.
         max_packet: largest MQTT payload to send (uploads are chunked below it).
+        max_colluders: the most cohort members this device assumes may collude with the
+            aggregator (default 1). The plan's ``max_colluders`` comes from the aggregator,
+            the party the aggregate view protects against, so the device counts
+            r'' = min_survivors - max(plan's, this) honest members, never fewer colluders
+            than its own assumption (r'' < 1: no credit for other members' noise).
         checkin_every: seconds between repeated check-ins while the device is in no round
             (None: only on connect and when a round ends). A restarted aggregator resumes
             from a checkpoint that may predate check-ins it had received; repeating them
@@ -140,7 +154,12 @@ class DeviceSession:
         random_bytes: Callable[[int], bytes] = os.urandom,
         max_packet: int = wire.DEFAULT_MAX_PACKET,
         checkin_every: float | None = None,
+        max_colluders: int = 1,
     ) -> None:
+        if isinstance(max_colluders, bool) or not isinstance(max_colluders, int) \
+                or max_colluders < 0:
+            raise ValueError(f"max_colluders must be an integer >= 0, got {max_colluders!r}")
+        self._max_colluders = max_colluders
         if checkin_every is not None and not (math.isfinite(checkin_every)
                                               and checkin_every > 0):
             raise ValueError(f"checkin_every must be None or finite and > 0, "
@@ -342,12 +361,13 @@ class DeviceSession:
         if len(y) == 0:
             return self._decline(plan, "no_data", "the local data set is empty")
         event = round_event(len(y), local, k / d)
-        # r'' = min_survivors - max_colluders (the signed plan's fleet policy). Every upload
+        # r'' = min_survivors - max_colluders, the larger of the plan's (the aggregator's
+        # word) and this device's own assumption, never below 1. Every upload
         # below is clamped to value_bound and rounded to the fixed-point grid (and
         # QSGD-quantized if set) before the sum: steps that can remove a member's noise, so
         # the sum has no guarantee beyond the local one (linear_sum=False: the aggregate
         # event is the local event).
-        honest = plan.min_survivors - plan.max_colluders  # >= 1: checked when decoded
+        honest = max(1, plan.min_survivors - max(plan.max_colluders, self._max_colluders))
         ledger_plan = Plan(round_id=key, model_id=str(plan.model_version), event=event,
                            aggregate_event=aggregate_event(event, honest_members=honest,
                                                            linear_sum=False),
@@ -359,13 +379,21 @@ class DeviceSession:
                                      f"{self._ledger.budget.epsilon:g}")
         except (LedgerError, ValueError) as e:
             return self._decline(plan, "ledger", str(e))
+        # Reserved before training: from here on every outcome (upload, "diverged" decline,
+        # silence) may depend on the noisy update, and each of them is then already counted.
+        try:
+            reservation = self._ledger.reserve(ledger_plan)
+        except (BudgetExhausted, LedgerError) as e:
+            # a full disk or read-only file system is not a spent budget: say which
+            return self._decline(plan, "budget" if isinstance(e, BudgetExhausted) else "ledger",
+                                 str(e))
         rng = self._round_rng(plan.round_id)
         coords = (None if plan.sparsity == 1.0
                   else compress.coordinate_set(plan.round_seed, d, plan.length))
         try:
             res = local_round(self._engine, self._params, x, y, local, rng, coords=coords)
         except TrainingDiverged:
-            return self._diverged(plan, ledger_plan)
+            return self._diverged(plan, reservation)
         flat = flatten_params(res.update).astype(np.float64)
         values = flat if coords is None else flat[coords]
         if plan.quant_levels:
@@ -376,23 +404,16 @@ class DeviceSession:
                               config=plan.round_config(), random_bytes=self._random)
         out = self._send_secagg(client.advertise())
         self._round = _Round(plan=plan, client=client, residues=residues,
-                             ledger_plan=ledger_plan, last_heard=now, answers={raw: out})
+                             ledger_plan=ledger_plan, reservation=reservation,
+                             last_heard=now, answers={raw: out})
         return list(out)
 
-    def _diverged(self, plan: RoundPlan, ledger_plan: Plan) -> list[Publish]:
+    def _diverged(self, plan: RoundPlan, reservation: Reservation) -> list[Publish]:
         """Decline a round whose noisy update is not finite. The decline reveals a bit of
-        that update, so the round is reserved (and committed) first; without a reservation
-        nothing leaves. The detail names no value computed from the data."""
+        that update; the round was reserved before training, so it is counted. The detail
+        names no value computed from the data."""
         try:
-            res = self._ledger.reserve(ledger_plan)
-        except (BudgetExhausted, LedgerError, ValueError) as e:
-            logger.warning("%s: round %d diverged and the ledger cannot reserve it; sending "
-                           "nothing: %s", self.device, plan.round_id, e, extra={"fedge": {
-                               "event": "reserve_failed", "device": self.device,
-                               "round": plan.round_id, "reason": str(e)}})
-            return []
-        try:
-            self._ledger.commit(res)
+            self._ledger.commit(reservation)
         except LedgerError as e:  # the spend is counted either way; only the record suffers
             logger.error("%s: cannot commit round %d: %s", self.device, plan.round_id, e)
         return self._decline(plan, "diverged", "local training produced a non-finite update")
@@ -451,18 +472,8 @@ class DeviceSession:
                                       f"(complete graph: {complete}); refused")
 
     def _upload(self, r: _Round, msg: secagg.ForwardedShares) -> list[Publish]:
-        masked = r.client.mask_input(msg, r.residues)  # nothing has left the device yet
-        try:
-            r.reservation = self._ledger.reserve(r.ledger_plan)  # durable before the upload
-        except (BudgetExhausted, LedgerError) as e:
-            logger.warning("%s: no upload for round %d: %s", self.device, r.plan.round_id, e,
-                           extra={"fedge": {"event": "reserve_failed", "device": self.device,
-                                            "round": r.plan.round_id, "reason": str(e)}})
-            plan = r.plan
-            self._end_round("reserve failed")
-            # a full disk or read-only file system is not a spent budget: say which
-            return self._decline(plan, "budget" if isinstance(e, BudgetExhausted) else "ledger",
-                                 str(e))
+        # the round was reserved (durably) before training, so the upload may leave
+        masked = r.client.mask_input(msg, r.residues)
         self._inputs[r.plan.round_id] = r.residues.copy()
         while len(self._inputs) > _KEPT_INPUTS:
             del self._inputs[min(self._inputs)]

@@ -120,7 +120,11 @@ def test_diverged_decline_is_reserved_first(tmp_path, digits, engine) -> None:  
             reserved = [r for r in fleet.ledgers[dev].reservations()
                         if r.plan.round_id == f"{FLEET}/1"] if dev != broken else []
             if dev == broken:
-                assert dev not in declines, "a decline left without a reservation"
+                # it could not reserve, so it declined before training ("ledger": a fact
+                # about its disk, nothing about its data) and sent nothing else
+                assert declines.get(dev) == "ledger", (dev, declines.get(dev))
+                assert not [t for s, t, _ in fleet.broker.sent
+                            if s == dev and t.endswith("/up/secagg")], "it trained and sent"
                 continue
             assert declines.get(dev) == "diverged", (dev, declines.get(dev))
             assert reserved and not fleet.ledgers[dev].pending(), dev

@@ -382,3 +382,57 @@ def test_substitution_events_never_below_dp_accounting_rdp(specs) -> None:
     assert ours >= acc.get_epsilon(DELTA) * (1 - 1e-6)
     assert ours == pytest.approx(RdpAccountant(adjacency="substitution").compose(
         Composed(events=tuple(events))).get_epsilon(DELTA), rel=1e-12)
+
+
+# ------------------------------------------------- the construction's tight case
+#
+# Pull-back members leave about 20% slack at q = 1 (22.07 exact vs 27.5 reported for
+# tau = 20, r'' = 9). The worst linear case is tighter: if the target's first-step signal
+# reaches its update r'' times amplified and its last step once, the sum's signal-to-noise
+# is (Sum w)^2 / (Sum w^2 + r'' - 1) = (tau - 1) + 1/r'' with w = (r'', ..., r'', 1), exactly
+# the construction's composed Gaussian (Cauchy-Schwarz: no w does better). Realised with the
+# real local_round at tau = 2: besides its record, the target holds N records, the same in
+# both neighbours, whose gradient -kappa * theta pushes theta away from theta_0 at the last
+# step with N * kappa / B = r'' - 1. Any construction that counted more of the other members'
+# noise would report less than this exact epsilon and fail here.
+
+
+class _Scripted:
+    """A round's randomness with chosen noise: every Poisson draw keeps (q = 1 here) and
+    the Gaussian draws come from ``noise`` in order (each already the absolute value)."""
+
+    def __init__(self, noise: list[float]) -> None:
+        self._noise = list(noise)
+
+    def random(self, size: int) -> np.ndarray:
+        return np.zeros(size)
+
+    def normal(self, loc: float, scale: float, size: tuple[int, ...]) -> np.ndarray:
+        return np.full(size, self._noise.pop(0))
+
+
+@pytest.mark.parametrize("r2", [2, 4, 9])
+def test_amplified_first_step_meets_the_construction_exactly(tmp_path, r2) -> None:
+    z, n = 1.0, 18
+    kappa = (r2 - 1) * B / n
+    cfg = LocalTraining(steps=2, batch_size=B, lr=1.0, clip=CLIP, noise_multiplier=z)
+
+    def update(with_record: bool, n1: float, n2: float) -> float:
+        x = np.concatenate([np.full((n, 1), -kappa), [[0.0]]]).astype(np.float32)
+        y = np.concatenate([np.zeros(n), [-CLIP if with_record else 0.0]]).astype(np.float32)
+        res = local_round(_OneDim(), [np.zeros(1, dtype=np.float32)], x, y, cfg,
+                          _Scripted([n1, n2]))  # type: ignore[arg-type]
+        return float(res.update[0][0])
+
+    # the update is linear: -(r'' (C + n1) + C + n2) / B, the neighbour's -(r'' n1 + n2) / B
+    for n1, n2 in [(0.0, 0.0), (0.4, -1.1), (-0.3, 0.7)]:
+        assert update(True, n1, n2) == pytest.approx(-(r2 * (CLIP + n1) + CLIP + n2) / B,
+                                                     rel=1e-5)
+        assert update(False, n1, n2) == pytest.approx(-(r2 * n1 + n2) / B, abs=1e-6)
+    # the sum adds the last noise of r'' - 1 other honest members (pull-back, as above):
+    # shift (r'' + 1) C / B, noise std z C sqrt(r''^2 + 1 + r'' - 1) / B
+    exact = exact_gaussian_epsilon(z * math.sqrt(r2 * r2 + r2) / (r2 + 1))
+    local = round_event(n + 1, cfg)
+    agg = aggregate_event(local, honest_members=r2, linear_sum=True)
+    reported = _ledger_aggregate(tmp_path, local, agg, r2 + 1)
+    assert exact <= reported <= exact * 1.01  # sound, and the construction is tight here
