@@ -41,16 +41,10 @@ from edge_sdk.mqtt import ClientConfig
 from edge_sdk.session import DeviceSession
 from edge_sdk.wire import Publish
 from models import ONNX_DIR
-from tools.datasets import load_dataset
 
 pytestmark = pytest.mark.broker
 
 FLEET = "svc"
-
-
-@pytest.fixture(scope="module")
-def digits() -> Any:
-    return load_dataset("digits")
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,6 @@ from edge_sdk.device import DeviceConfig
 from edge_sdk.engine import load_engine
 from edge_sdk.ledger import Ledger
 from models import ONNX_DIR
-from tools.datasets import load_dataset
 from tools.enroll import toml_text
 from tools.impair import Impairment, Link, ProxyThread
 
@@ -357,11 +356,6 @@ def _drive(f: ChaosFleet, plan: ChaosPlan, rng: random.Random, links: dict[str, 
     }
     assert m.model_version == figures["rounds"]["completed"]  # each update applied once
     return figures
-
-
-@pytest.fixture(scope="module")
-def digits() -> Any:
-    return load_dataset("digits")
 
 
 @pytest.fixture(scope="module")

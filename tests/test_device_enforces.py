@@ -19,7 +19,7 @@ import logging
 
 import msgpack
 import pytest
-from test_session_rounds import FLEET, Fleet, _down_kind, digits, engine  # noqa: F401
+from test_session_rounds import FLEET, Fleet, _down_kind
 
 from aggregator.rounds import RoundPolicy
 from edge_sdk import secagg, wire
@@ -43,7 +43,7 @@ def _plans(fleet: Fleet) -> dict[int, wire.RoundPlan]:
 
 
 @pytest.mark.parametrize("lie", ["below_min_survivors", "contradicts_named_survivors"])
-def test_device_refuses_unmask_below_min_survivors(tmp_path, digits, engine, caplog,  # noqa: F811
+def test_device_refuses_unmask_below_min_survivors(tmp_path, digits, engine, caplog,
                                                     lie) -> None:
     fleet = Fleet(tmp_path, digits, engine, rounds=1,
                   policy={"min_survivors": 8, "degree": 9})  # complete graph over 10
@@ -104,7 +104,7 @@ class _NoReserve:
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-def test_diverged_decline_is_reserved_first(tmp_path, digits, engine) -> None:  # noqa: F811
+def test_diverged_decline_is_reserved_first(tmp_path, digits, engine) -> None:
     # lr = 1e300 overflows the float32 step: every cohort member's update is non-finite
     fleet = Fleet(tmp_path, digits, engine, rounds=1, policy={"lr": 1e300})
     broken = fleet.ids[0].device
@@ -135,7 +135,7 @@ def test_diverged_decline_is_reserved_first(tmp_path, digits, engine) -> None:  
         fleet.close()
 
 
-def test_max_colluders_is_in_the_signed_plan(tmp_path, digits, engine) -> None:  # noqa: F811
+def test_max_colluders_is_in_the_signed_plan(tmp_path, digits, engine) -> None:
     fleet = Fleet(tmp_path, digits, engine, rounds=1, policy={"max_colluders": 2})
     try:
         fleet.settle(until=lambda: len(fleet.machine.history) >= 1)

@@ -13,12 +13,8 @@ import numpy as np
 import pytest
 
 from edge_sdk import wire
-from edge_sdk.engine import load_engine
-from edge_sdk.model import build_spec
 from edge_sdk.wire import Publish
-from models import manifest_path
 from tools.cli import main
-from tools.datasets import load_dataset
 from tools.fleet import AGGREGATOR, DROP_STAGES, FLEET_NAME, DropoutSchedule, Fleet
 from tools.simulate import SimConfig
 
@@ -28,15 +24,6 @@ BASE = dict(dataset="digits", model="logreg", participation=0.1, local_steps=5,
             secagg=True, progress=False)
 
 
-@pytest.fixture(scope="module")
-def digits() -> Any:
-    return load_dataset("digits")
-
-
-@pytest.fixture(scope="module")
-def engine(digits: Any) -> Any:
-    spec = build_spec("logreg", digits.input_shape, digits.num_classes)
-    return spec, load_engine(manifest_path(spec.name, spec.input_shape, spec.num_classes))
 
 
 def _run(tmp: Path, digits: Any, engine: Any, **settings: Any) -> tuple[Fleet, dict[str, Any]]:

@@ -14,24 +14,11 @@ from test_session_rounds import Fleet, _check_sums, _down_kind
 from aggregator.guard import FloodGuard, FloodLimits, LogLimiter, reason_class
 from aggregator.rounds import Quarantined, Released, Resent, StatusSeen
 from edge_sdk import wire
-from edge_sdk.engine import load_engine
-from edge_sdk.model import build_spec
 from edge_sdk.wire import Publish
-from models import manifest_path
-from tools.datasets import load_dataset
 
 FLEET = "lab"
 
 
-@pytest.fixture(scope="module")
-def digits() -> Any:
-    return load_dataset("digits")
-
-
-@pytest.fixture(scope="module")
-def engine(digits: Any) -> Any:
-    spec = build_spec("logreg", digits.input_shape, digits.num_classes)
-    return spec, load_engine(manifest_path(spec.name, spec.input_shape, spec.num_classes))
 
 
 # ----------------------------------------------------------------------- pure parts

@@ -24,26 +24,13 @@ import pytest
 from test_session_rounds import Fleet, _check_sums
 
 from edge_sdk import wire
-from edge_sdk.engine import load_engine
 from edge_sdk.ledger import Budget, Ledger, LedgerError, Plan
-from edge_sdk.model import build_spec
 from edge_sdk.privacy import Gaussian
-from models import manifest_path
-from tools.datasets import load_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 VICTIMS = ["d00", "d01", "d02"]
 
 
-@pytest.fixture(scope="module")
-def digits() -> Any:
-    return load_dataset("digits")
-
-
-@pytest.fixture(scope="module")
-def engine(digits: Any) -> Any:
-    spec = build_spec("logreg", digits.input_shape, digits.num_classes)
-    return spec, load_engine(manifest_path(spec.name, spec.input_shape, spec.num_classes))
 
 
 def _mount(*args: str) -> None:

@@ -50,7 +50,6 @@ from edge_sdk.session import DeviceSession
 from edge_sdk.wire import Publish
 from models import ONNX_DIR
 from tools.broker import Broker
-from tools.datasets import load_dataset
 from tools.enroll import enroll
 from tools.partition import partition
 
@@ -139,11 +138,6 @@ def pump_until(loop: MqttLoop | None, cond: Callable[[], bool], timeout: float,
 
 
 # ----------------------------------------------------------------------- the fleet
-
-
-@pytest.fixture(scope="module")
-def digits() -> Any:
-    return load_dataset("digits")
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,9 @@ from aggregator.rounds import RoundMachine, RoundPolicy, SnapshotError
 from aggregator.store import CheckpointCorrupted, CheckpointStore
 from edge_sdk import secagg, wire
 from edge_sdk.csprng import seeded_round_rng
-from edge_sdk.engine import load_engine
 from edge_sdk.ledger import Budget, Ledger
-from edge_sdk.model import build_spec, init_params
+from edge_sdk.model import init_params
 from edge_sdk.session import DeviceSession
-from models import manifest_path
-from tools.datasets import load_dataset
 from tools.inproc import MemoryBroker, topic_matches
 
 FLEET = "lab"
@@ -59,15 +56,6 @@ def _seeded_bytes(label: str) -> Callable[[int], bytes]:
     return random_bytes
 
 
-@pytest.fixture(scope="module")
-def digits() -> Any:
-    return load_dataset("digits")
-
-
-@pytest.fixture(scope="module")
-def engine(digits) -> Any:
-    spec = build_spec("logreg", digits.input_shape, digits.num_classes)
-    return spec, load_engine(manifest_path(spec.name, spec.input_shape, spec.num_classes))
 
 
 def _accuracy(engine: Any, params: list[np.ndarray], digits: Any) -> float:
