@@ -17,6 +17,7 @@ import pytest
 from dp_accounting.pld import privacy_loss_distribution as pldlib
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_reference_grid import exact_gaussian_epsilon as reference_exact_epsilon
 
 from edge_sdk.engine import GradResult
 from edge_sdk.ledger import Budget, Ledger, Plan, epsilon_pld, epsilon_rdp
@@ -38,23 +39,10 @@ B = 32  # the plan's public batch size
 NeighborRel = dp_accounting.NeighboringRelation
 
 
-def _phi(x: float) -> float:
-    return 0.5 * math.erfc(-x / math.sqrt(2.0))
-
-
 def exact_gaussian_epsilon(ratio: float, delta: float = DELTA) -> float:
     """Exact epsilon at ``delta`` of the Gaussian mechanism with noise std / sensitivity =
-    ``ratio`` (Balle and Wang 2018, Theorem 8), by bisection on the monotone delta(eps)."""
-    def delta_of(eps: float) -> float:
-        return (_phi(1 / (2 * ratio) - eps * ratio)
-                - math.exp(eps) * _phi(-1 / (2 * ratio) - eps * ratio))
-    lo, hi = 0.0, 1.0
-    while delta_of(hi) > delta:
-        hi *= 2
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if delta_of(mid) > delta else (lo, mid)
-    return lo  # the lower end: never above the exact value
+    ``ratio`` (Balle and Wang 2018, Theorem 8): the reference grid's oracle."""
+    return reference_exact_epsilon(1 / ratio, delta)
 
 
 def test_exact_gaussian_oracle_matches_dp_accounting() -> None:
