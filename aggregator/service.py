@@ -2,8 +2,10 @@
 
 ``fedge aggregator --config aggregator.toml`` runs :class:`AggregatorService`::
 
-    AggregatorConfig.from_toml(path)   fleet, broker, identity, registry, checkpoint,
-                                       model, [policy] (RoundPolicy), [metrics]
+    AggregatorConfig.from_toml(        fleet, broker, identity, registry, checkpoint,
+        path, zoo_dir=ONNX_DIR)        model, [policy] (RoundPolicy), [metrics]; a zoo
+                                       name `model` is looked up in zoo_dir (the CLI
+                                       passes models.ONNX_DIR)
     AggregatorService(config)          resumes from the checkpoint if there is one
                                        (RoundMachine.restore; on_connect re-sends the open
                                        stage), else starts from the initial model
@@ -38,7 +40,7 @@ Observability:
 * Prometheus text exposition (``prometheus-client``, the ``gateway`` extra) on
   ``metrics_host:metrics_port`` when a port is configured (0: any free port).
 
-Errors are those of the pieces: ``ConfigError`` (``edge_sdk.device``) for unusable
+Errors are those of the pieces: ``ConfigError`` (``edge_sdk.config``) for unusable
 configuration or key files, ``AggregatorError`` subclasses for checkpoints.
 """
 
@@ -69,7 +71,7 @@ from aggregator.rounds import (
 )
 from aggregator.store import CheckpointStore
 from edge_sdk import wire
-from edge_sdk.device import (
+from edge_sdk.config import (
     ConfigError,
     load_aggregator_identity,
     load_registry,
@@ -101,6 +103,9 @@ class AggregatorConfig:
         checkpoint: the checkpoint file (its directory must exist).
         model / manifest: the model (zoo name or manifest path; exactly one); model_seed
             seeds the initial parameters (used only when no checkpoint exists).
+        zoo_dir: the directory of exported models a zoo name is looked up in
+            (``<zoo_dir>/<model>.json``; not a TOML setting: ``fedge aggregator`` passes
+            ``models.ONNX_DIR``). Needed by :class:`AggregatorService` only with ``model``.
         policy: how rounds run (the ``[policy]`` table: ``RoundPolicy`` fields).
         metrics_port: Prometheus endpoint port (None: none; 0: any free port);
             metrics_host: its address.
@@ -123,6 +128,7 @@ class AggregatorConfig:
     username: str = "aggregator"
     model: str | None = None
     manifest: Path | None = None
+    zoo_dir: Path | None = None
     model_seed: int = 0
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
@@ -160,8 +166,10 @@ class AggregatorConfig:
         return FloodLimits(burst=self.flood_burst, rate=self.flood_rate)
 
     @classmethod
-    def from_toml(cls, path: str | os.PathLike[str]) -> AggregatorConfig:
-        """Load an aggregator TOML (paths relative to the file's directory)::
+    def from_toml(cls, path: str | os.PathLike[str], *,
+                  zoo_dir: str | os.PathLike[str] | None = None) -> AggregatorConfig:
+        """Load an aggregator TOML (paths relative to the file's directory); ``zoo_dir`` is
+        where a ``model`` zoo name is looked up (see the class docstring)::
 
             fleet = "lab"
             identity = "identity.key"
@@ -201,6 +209,7 @@ class AggregatorConfig:
             values[key] = path_in(base, top.get(key), key)
         values["ca_file"] = path_in(base, broker.get("ca_file"), "ca_file")
         values["password_file"] = path_in(base, broker.get("password_file"), "password_file")
+        values["zoo_dir"] = None if zoo_dir is None else Path(zoo_dir)
         if "host" in broker:
             values["broker_host"] = broker["host"]
         if "port" in broker:
@@ -363,7 +372,8 @@ class AggregatorService:
         clock: monotonic seconds (deadlines); wall: Unix time for log lines.
 
     Raises:
-        ConfigError: unusable configuration, key, password or registry files.
+        ConfigError: unusable configuration, key, password or registry files, or a model
+            that cannot be found (a zoo name without ``zoo_dir``).
         aggregator.store.CheckpointCorrupted, aggregator.rounds.SnapshotError: a checkpoint
             exists but cannot be resumed.
     """
@@ -384,7 +394,8 @@ class AggregatorService:
             raise ConfigError(f"{config.registry}: the aggregator key is not the one in "
                               f"{config.identity}")
         password = read_secret_file(config.password_file).decode().strip()
-        spec = load_manifest(resolve_manifest(config.model, config.manifest)).spec
+        spec = load_manifest(resolve_manifest(config.model, config.manifest,
+                                              zoo_dir=config.zoo_dir)).spec
         self.store = CheckpointStore(config.checkpoint)
         self.resumed = self.store.exists()
         if self.resumed:

@@ -1,15 +1,18 @@
-"""The device agent: configuration, key files and the MQTT adapter around a session.
+"""The device agent: its configuration and the MQTT adapter around a session.
 
 This is the composition root a device's own software embeds: it reads the device's
 configuration (:class:`DeviceConfig`, TOML), its long-term keys and the fleet's registry
-(files written by ``fedge enroll``), opens the privacy ledger fail-closed, loads the
-exported model, builds a :class:`~edge_sdk.session.DeviceSession` and drives it over one
-MQTT client (:class:`~edge_sdk.mqtt.MqttLoop`: TLS, credentials, a persistent session,
-last will, reconnect with backoff)::
+(files written by ``fedge enroll``; formats and readers in :mod:`edge_sdk.config`), opens
+the privacy ledger fail-closed, loads the exported model, builds a
+:class:`~edge_sdk.session.DeviceSession` and drives it over one MQTT client
+(:class:`~edge_sdk.mqtt.MqttLoop`: TLS, credentials, a persistent session, last will,
+reconnect with backoff)::
 
     from edge_sdk.device import Device, DeviceConfig
 
-    config = DeviceConfig.from_toml("/etc/fedge/device.toml")
+    # zoo_dir: where the exported models named by `model = "..."` live (not needed when
+    # the TOML gives `manifest = "path/to/model.json"` instead)
+    config = DeviceConfig.from_toml("/etc/fedge/device.toml", zoo_dir="/opt/fedge/models")
     with Device(config, data=read_local_samples) as device:   # () -> (x, y) numpy arrays
         device.run()                                           # until close() or SIGTERM
 
@@ -18,39 +21,23 @@ opens the same ledger; the round it had reserved stays counted, and when the agg
 re-sends that round's plan the session declines it (``already_committed``), so the
 device neither spends twice nor uploads twice.
 
-File formats (all JSON, never pickle; ``fedge enroll`` writes them)::
-
-    identity key (0600)  {"format": "fedge-device-key", "v": 1, "fleet": F, "device": D,
-                          "sign_key": hex(Ed25519 private seed, 32 bytes),
-                          "agree_key": hex(X25519 private key, 32 bytes)}
-    aggregator key (0600){"format": "fedge-aggregator-key", "v": 1, "fleet": F,
-                          "sign_key": hex(Ed25519 private seed, 32 bytes)}
-    registry (public)    {"format": "fedge-registry", "v": 1, "fleet": F,
-                          "aggregator_key": hex(Ed25519 public key),
-                          "devices": {D: {"sign_key": hex, "agree_key": hex}, ...}}
-    password (0600)      the MQTT password, one line
-
-Key files readable by group or others are refused (:class:`ConfigError`), as ssh does.
-
 Errors::
 
     ValueError
-     +-- ConfigError      a configuration, key or registry file that cannot be used
+     +-- edge_sdk.config.ConfigError   a configuration, key or registry file that cannot
+                                       be used
     edge_sdk.ledger.LedgerCorrupted   the ledger is missing or damaged: the device must
                                       not train (never recreated here; see ``provision``)
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import random
-import stat
 import time
-import tomllib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,27 +45,23 @@ from typing import Any
 import numpy as np
 
 from edge_sdk import wire
+from edge_sdk.config import (
+    ConfigError,
+    load_device_identity,
+    load_registry,
+    path_in,
+    read_secret_file,
+    read_toml,
+    resolve_manifest,
+    take,
+)
 from edge_sdk.csprng import secure_round_rng
 from edge_sdk.ledger import Budget, Ledger
 from edge_sdk.mqtt import BrokerAddress, ClientConfig, MqttLoop
-from edge_sdk.secagg import AggregatorIdentity, DeviceIdentity, Registry
 from edge_sdk.session import DeviceSession
 from edge_sdk.wire import Publish
 
-__all__ = [
-    "ConfigError",
-    "DataInput",
-    "Device",
-    "DeviceConfig",
-    "aggregator_key_doc",
-    "device_key_doc",
-    "load_aggregator_identity",
-    "load_device_identity",
-    "load_registry",
-    "read_secret_file",
-    "registry_doc",
-    "resolve_manifest",
-]
+__all__ = ["DataInput", "Device", "DeviceConfig"]
 
 logger = logging.getLogger("edge_sdk.device")
 
@@ -88,161 +71,6 @@ DataInput = (Callable[[], tuple[np.ndarray, np.ndarray]]
 """Local data: a callable returning (x, y), an iterator of (x, y) (the device moves to
 the next item after each round it trained in; an exhausted iterator keeps its last item),
 or one fixed (x, y) pair."""
-
-_KEY_FORMAT = "fedge-device-key"
-_AGG_KEY_FORMAT = "fedge-aggregator-key"
-_REGISTRY_FORMAT = "fedge-registry"
-_FORMAT_VERSION = 1
-
-
-class ConfigError(ValueError):
-    """A configuration, key, password or registry file that cannot be used (named)."""
-
-
-# =========================================================================== key files
-
-
-def device_key_doc(fleet: str, identity: DeviceIdentity) -> dict[str, Any]:
-    """The JSON document of a device's key file (secret)."""
-    raw = identity.private_bytes()
-    return {"format": _KEY_FORMAT, "v": _FORMAT_VERSION, "fleet": fleet,
-            "device": identity.device, "sign_key": raw[:32].hex(), "agree_key": raw[32:].hex()}
-
-
-def aggregator_key_doc(fleet: str, identity: AggregatorIdentity) -> dict[str, Any]:
-    """The JSON document of the aggregator's key file (secret)."""
-    return {"format": _AGG_KEY_FORMAT, "v": _FORMAT_VERSION, "fleet": fleet,
-            "sign_key": identity.private_bytes().hex()}
-
-
-def registry_doc(fleet: str, registry: Registry) -> dict[str, Any]:
-    """The JSON document of the fleet's public registry."""
-    return {"format": _REGISTRY_FORMAT, "v": _FORMAT_VERSION, "fleet": fleet,
-            **registry.to_json()}
-
-
-def read_secret_file(path: str | os.PathLike[str]) -> bytes:
-    """Bytes of a secret file; refuses one that group or others may read.
-
-    Raises:
-        ConfigError: missing, unreadable, or too permissive.
-    """
-    path = Path(path)
-    try:
-        mode = path.stat().st_mode
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigError(f"{path}: secret file is accessible by group/others "
-                              f"(mode {stat.filemode(mode)}); chmod 600 it")
-        return path.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
-
-
-def _json_doc(path: Path, raw: bytes, fmt: str, fleet: str | None) -> dict[str, Any]:
-    try:
-        doc = json.loads(raw)
-    except ValueError as e:
-        raise ConfigError(f"{path}: not JSON ({e})") from None
-    if not isinstance(doc, dict) or doc.get("format") != fmt or doc.get("v") != _FORMAT_VERSION:
-        raise ConfigError(f"{path}: not a {fmt} v{_FORMAT_VERSION} file")
-    if fleet is not None and doc.get("fleet") != fleet:
-        raise ConfigError(f"{path}: belongs to fleet {doc.get('fleet')!r}, not {fleet!r}")
-    return doc
-
-
-def _hex(path: Path, doc: Mapping[str, Any], key: str, size: int) -> bytes:
-    v = doc.get(key)
-    try:
-        raw = bytes.fromhex(v) if isinstance(v, str) else b""
-    except ValueError:
-        raw = b""
-    if len(raw) != size:
-        raise ConfigError(f"{path}: field {key!r} must be {size} bytes in hex")
-    return raw
-
-
-def load_device_identity(path: str | os.PathLike[str], *, fleet: str | None = None,
-                         device: str | None = None) -> DeviceIdentity:
-    """A device's keys from its key file (checked against ``fleet`` and ``device``)."""
-    path = Path(path)
-    doc = _json_doc(path, read_secret_file(path), _KEY_FORMAT, fleet)
-    name = doc.get("device")
-    if device is not None and name != device:
-        raise ConfigError(f"{path}: holds the keys of {name!r}, not {device!r}")
-    try:
-        return DeviceIdentity.from_private_bytes(
-            str(name), _hex(path, doc, "sign_key", 32) + _hex(path, doc, "agree_key", 32))
-    except ValueError as e:
-        raise ConfigError(f"{path}: {e}") from None
-
-
-def load_aggregator_identity(path: str | os.PathLike[str], *,
-                             fleet: str | None = None) -> AggregatorIdentity:
-    """The aggregator's signing key from its key file."""
-    path = Path(path)
-    doc = _json_doc(path, read_secret_file(path), _AGG_KEY_FORMAT, fleet)
-    return AggregatorIdentity.from_private_bytes(_hex(path, doc, "sign_key", 32))
-
-
-def load_registry(path: str | os.PathLike[str], *, fleet: str | None = None) -> Registry:
-    """The fleet's public registry (the aggregator's key and every enrolled device's)."""
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
-    doc = _json_doc(path, raw, _REGISTRY_FORMAT, fleet)
-    try:
-        return Registry.from_json(doc)
-    except ValueError as e:
-        raise ConfigError(f"{path}: {e}") from None
-
-
-def resolve_manifest(model: str | None, manifest: Path | None) -> Path:
-    """The model manifest: a path, or a zoo name (``logreg-64-10``) among ``models/onnx``."""
-    if (model is None) == (manifest is None):
-        raise ConfigError("give exactly one of 'model' (a zoo name) and 'manifest' (a path)")
-    if manifest is not None:
-        return manifest
-    from models import ONNX_DIR  # torch-free: only the committed files' location
-
-    path = ONNX_DIR / f"{model}.json"
-    if not path.exists():
-        known = sorted(p.stem for p in ONNX_DIR.glob("*.json"))
-        raise ConfigError(f"no exported model {model!r}; exported: {known}")
-    return path
-
-
-# =========================================================================== config
-
-
-def read_toml(path: str | os.PathLike[str]) -> tuple[dict[str, Any], Path]:
-    """A TOML file's tables and its directory (relative paths in it are relative to it)."""
-    path = Path(path)
-    try:
-        return tomllib.loads(path.read_text()), path.resolve().parent
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
-
-
-def take(table: Mapping[str, Any], known: set[str], where: str) -> dict[str, Any]:
-    """``table`` with dashes in keys turned to underscores; unknown keys are an error."""
-    out = {k.replace("-", "_"): v for k, v in table.items()}
-    unknown = sorted(set(out) - known)
-    if unknown:
-        raise ConfigError(f"{where}: unknown setting(s) {unknown}; known: {sorted(known)}")
-    return out
-
-
-def path_in(base: Path, value: object, name: str) -> Path | None:
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{name} must be a non-empty path string, got {value!r}")
-    p = Path(value).expanduser()
-    return p if p.is_absolute() else base / p
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -259,6 +87,11 @@ class DeviceConfig:
         ledger: the privacy ledger (must exist: see :meth:`Device.provision`).
         budget_epsilon, budget_delta: the owner's budget, checked against the ledger's.
         model: a zoo name (``logreg-64-10``) or manifest: a manifest path; exactly one.
+        zoo_dir: the directory of exported models a zoo name is looked up in
+            (``<zoo_dir>/<model>.json``); given by whoever builds the config (not a TOML
+            setting: the device's software knows where it installed its models; ``fedge
+            device`` passes ``models.ONNX_DIR``). Needed by :class:`Device` only with
+            ``model``.
         backend: ``"onnx"`` or ``"numpy"``; threads: onnxruntime intra-op threads.
         checkin_every: seconds between check-ins outside rounds (None: never repeat).
         max_colluders: the most cohort members this device assumes collude with the
@@ -282,6 +115,7 @@ class DeviceConfig:
     username: str | None = None
     model: str | None = None
     manifest: Path | None = None
+    zoo_dir: Path | None = None
     backend: str = "onnx"
     threads: int = 1
     checkin_every: float | None = 30.0
@@ -322,8 +156,12 @@ class DeviceConfig:
         return self.username or self.device
 
     @classmethod
-    def from_toml(cls, path: str | os.PathLike[str], **overrides: Any) -> DeviceConfig:
-        """Load a device TOML (paths relative to the file's directory)::
+    def from_toml(cls, path: str | os.PathLike[str], *,
+                  zoo_dir: str | os.PathLike[str] | None = None,
+                  **overrides: Any) -> DeviceConfig:
+        """Load a device TOML (paths relative to the file's directory); ``zoo_dir`` is where
+        a ``model`` zoo name is looked up (see the class docstring), ``overrides`` replace
+        fields::
 
             fleet = "lab"
             device = "dev-0000"
@@ -369,6 +207,7 @@ class DeviceConfig:
                 values[key] = broker[key]
         values["ca_file"] = path_in(base, broker.get("ca_file"), "ca_file")
         values["password_file"] = path_in(base, broker.get("password_file"), "password_file")
+        values["zoo_dir"] = None if zoo_dir is None else Path(zoo_dir)
         values.update(overrides)
         missing = [k for k in ("fleet", "device", "broker_port", "password_file", "identity",
                                "registry", "ledger", "budget_epsilon", "budget_delta")
@@ -507,7 +346,8 @@ class Device:
             y = np.load("/var/lib/sensor/labels.npy")        # int64 [m]
             return x, y
 
-        config = DeviceConfig.from_toml("/etc/fedge/device.toml")
+        config = DeviceConfig.from_toml("/etc/fedge/device.toml",
+                                        zoo_dir="/opt/fedge/models")  # for model = "..."
         with Device(config, data=samples) as device:
             device.run_rounds(5)          # or device.run() until close() / a signal
 
@@ -525,8 +365,8 @@ class Device:
     with a seeded source (simulators build a ``DeviceSession`` themselves).
 
     Raises:
-        ConfigError: unusable key, registry or password files, or a config that
-            disagrees with them.
+        ConfigError: unusable key, registry or password files, a config that disagrees
+            with them, or a model that cannot be found (a zoo name without ``zoo_dir``).
         edge_sdk.ledger.LedgerCorrupted: the ledger is missing or damaged (fail closed).
         edge_sdk.ledger.LedgerError: the ledger belongs to another device or budget.
     """
@@ -544,7 +384,7 @@ class Device:
             raise ConfigError(f"{config.registry}: device {config.device!r} is not enrolled "
                               f"with the keys in {config.identity}")
         password = read_secret_file(config.password_file).decode().strip()
-        manifest = resolve_manifest(config.model, config.manifest)
+        manifest = resolve_manifest(config.model, config.manifest, zoo_dir=config.zoo_dir)
         spec = load_manifest(manifest).spec
         engine = load_engine(manifest, backend=config.backend, threads=config.threads)
         feed = _Data(data)

@@ -34,7 +34,7 @@ from aggregator.rounds import RoundMachine
 from aggregator.service import AggregatorConfig
 from aggregator.store import CheckpointStore
 from edge_sdk import secagg, wire
-from edge_sdk.device import load_aggregator_identity, load_device_identity
+from edge_sdk.config import load_aggregator_identity, load_device_identity
 from edge_sdk.engine import load_engine
 from edge_sdk.model import init_params
 from edge_sdk.mqtt import ClientConfig

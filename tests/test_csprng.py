@@ -18,8 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edge_sdk import compress, csprng, ddp
+from edge_sdk.config import ConfigError
 from edge_sdk.csprng import SecureRng, secure_round_rng, seeded_round_rng
-from edge_sdk.device import ConfigError, DeviceConfig
+from edge_sdk.device import DeviceConfig
 from edge_sdk.session import DeviceSession
 from edge_sdk.train import LocalTraining, local_round
 

@@ -35,14 +35,14 @@ from aggregator.rounds import RoundMachine
 from aggregator.service import AggregatorConfig
 from aggregator.store import CheckpointStore
 from edge_sdk import wire
-from edge_sdk.csprng import seeded_round_rng
-from edge_sdk.device import (
+from edge_sdk.config import (
     ConfigError,
-    DeviceConfig,
     load_aggregator_identity,
     load_device_identity,
     load_registry,
 )
+from edge_sdk.csprng import seeded_round_rng
+from edge_sdk.device import DeviceConfig
 from edge_sdk.engine import load_engine
 from edge_sdk.ledger import Ledger
 from edge_sdk.mqtt import BrokerAddress, ClientConfig, MqttLoop

@@ -388,10 +388,11 @@ def _device(args: argparse.Namespace) -> int:
     import numpy as np
 
     from edge_sdk.device import Device, DeviceConfig
+    from models import ONNX_DIR
     from tools.datasets import load_train_subset
     from tools.partition import partition
 
-    config = DeviceConfig.from_toml(args.config)
+    config = DeviceConfig.from_toml(args.config, zoo_dir=ONNX_DIR)
     if not 0 <= args.shard < args.shards:
         raise ValueError(f"--shard must be in [0, --shards={args.shards}), got {args.shard}")
     x, y = load_train_subset(args.dataset, lambda labels: partition(
@@ -439,8 +440,9 @@ def _aggregator(args: argparse.Namespace) -> int:
     import signal
 
     from aggregator.service import AggregatorConfig, AggregatorService
+    from models import ONNX_DIR
 
-    config = AggregatorConfig.from_toml(args.config)
+    config = AggregatorConfig.from_toml(args.config, zoo_dir=ONNX_DIR)
     service = AggregatorService(config)
     signal.signal(signal.SIGTERM, lambda *_: service.stop())
     signal.signal(signal.SIGINT, lambda *_: service.stop())

@@ -32,13 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from edge_sdk import wire
-from edge_sdk.device import (
-    Device,
-    DeviceConfig,
-    aggregator_key_doc,
-    device_key_doc,
-    registry_doc,
-)
+from edge_sdk.config import aggregator_key_doc, device_key_doc, registry_doc
+from edge_sdk.device import Device, DeviceConfig
 from edge_sdk.secagg import AggregatorIdentity, DeviceIdentity, Registry
 from tools.broker import BrokerConfig, device_names, write_broker_config
 

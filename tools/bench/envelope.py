@@ -154,7 +154,7 @@ import json, os, sys, time
 from pathlib import Path
 import numpy as np
 from edge_sdk.device import Device, DeviceConfig
-config = DeviceConfig.from_toml(sys.argv[1])
+config = DeviceConfig.from_toml(sys.argv[1], zoo_dir=sys.argv[5])
 x, y, audit = np.load(sys.argv[2]), np.load(sys.argv[3]), Path(sys.argv[4])
 holder = []
 def emit(event):
@@ -361,13 +361,9 @@ def run_agent_round(*, cap_mib: int | None = MEMORY_CAP_MIB, limit: str = "as", 
     from aggregator.service import AggregatorConfig
     from aggregator.store import CheckpointStore
     from edge_sdk import wire
+    from edge_sdk.config import load_aggregator_identity, load_device_identity, load_registry
     from edge_sdk.csprng import secure_round_rng
-    from edge_sdk.device import (
-        DeviceConfig,
-        load_aggregator_identity,
-        load_device_identity,
-        load_registry,
-    )
+    from edge_sdk.device import DeviceConfig
     from edge_sdk.engine import load_engine
     from edge_sdk.ledger import Ledger
     from edge_sdk.mqtt import BrokerAddress, ClientConfig, MqttLoop
@@ -461,9 +457,9 @@ def run_agent_round(*, cap_mib: int | None = MEMORY_CAP_MIB, limit: str = "as", 
                     np.save(tmp / "x.npy", ds.x_train[shards[0]], allow_pickle=False)
                     np.save(tmp / "y.npy", ds.y_train[shards[0]], allow_pickle=False)
                     run = [sys.executable, "-c", _EMBEDDED, str(agent_toml),
-                           str(tmp / "x.npy"), str(tmp / "y.npy"), str(audit)]
+                           str(tmp / "x.npy"), str(tmp / "y.npy"), str(audit), str(ONNX_DIR)]
                     shown = ["python", "-c", "<edge_sdk.device.Device, shard from .npy>",
-                             "device.toml", "x.npy", "y.npy", "<audit>"]
+                             "device.toml", "x.npy", "y.npy", "<audit>", "<models/onnx>"]
                 command = " ".join(["taskset", "-c", str(cpu), *cap_args, *shown]).replace(
                     str(tmp), "<tmp>")
                 agent_argv = [sys.executable, "-c", _LAUNCH, str(tmp / "rusage.json"),
