@@ -208,7 +208,7 @@ def fleet_facts(settings: dict[str, Any]) -> tuple[int, int]:
     from aggregator.fedavg import select_cohort
     from tools.datasets import load_dataset
     from tools.partition import partition
-    from tools.simulate import SimConfig
+    from tools.simconfig import SimConfig
 
     cfg = SimConfig(**{**settings, "progress": False})
     seeds = np.random.SeedSequence(cfg.seed).spawn(3)
@@ -265,7 +265,8 @@ def _ddg_noise(settings: dict[str, Any], target: float, delta: float, rounds: in
     from edge_sdk.model import build_spec
     from edge_sdk.privacy.discrete import discrete_epsilon
     from tools.datasets import load_dataset
-    from tools.simulate import SimConfig, ddg_plan
+    from tools.simconfig import SimConfig
+    from tools.simulate import ddg_plan
 
     data = load_dataset(settings.get("dataset", "fashion-mnist"))
     d = build_spec(settings.get("model", "cnn"), data.input_shape, data.num_classes).num_params
@@ -335,7 +336,7 @@ def calibrate(settings: dict[str, Any], noise: dict[str, Any]) -> dict[str, Any]
             math.isfinite(as_printed(z)) for z in np.geomspace(0.1, 1e3, 41))
         z = _smallest_noise(formula, eps)
     elif method.startswith("hu-guo-gong"):
-        from tools.simulate import SimConfig
+        from tools.simconfig import SimConfig
 
         r = 1 if method.endswith("nosecagg") else SimConfig(
             **{**settings, "progress": False}).cohort_size
@@ -395,7 +396,8 @@ def run_experiment(exp: Experiment, *, quick: bool = False,
     stopped. ``jobs`` > 1 runs that many worker processes (one core each: the simulator
     is single-threaded); workers, and separate invocations of the same experiment, claim
     runs with an advisory lock per run, so none is run twice and a killed worker's claim
-    ends with it. ``simulate_fn`` is injectable for tests (default: tools.simulate.simulate).
+    ends with it. ``simulate_fn`` is injectable for tests (default: :func:`tools.run.run`,
+    which picks the fast or the fleet path from the settings' ``secagg``).
     """
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs!r}")
@@ -485,10 +487,10 @@ def _run_specs(exp: Experiment, specs: list[RunSpec], vdir: Path, variant: str,
                out: TextIO, simulate_fn: Callable[..., dict] | None,
                tag: str) -> tuple[int, int]:
     """Run each spec not yet stored and not claimed by another process; (ran, skipped)."""
-    from tools.simulate import SimConfig
+    from tools.simconfig import SimConfig
 
     if simulate_fn is None:
-        from tools.simulate import simulate as simulate_fn
+        from tools.run import run as simulate_fn
     ran = skipped = 0
     for i, spec in enumerate(specs, 1):
         path = vdir / "runs" / f"{spec.key}.json"
