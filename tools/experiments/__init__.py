@@ -29,15 +29,16 @@ Resumable: each finished (config, seed) run is written, atomically, to
 settings); a rerun skips the runs whose file exists, and concurrent workers (``--jobs``)
 claim runs with a per-run advisory lock. ``variant`` is ``full`` or ``quick``,
 with ``+key=value`` appended for ``--set`` overrides.
+
+The data model (:class:`Experiment`, :class:`RunSpec`, :func:`expand_runs`,
+:func:`load_records`) lives in ``tools.experiments.spec`` and is re-exported here; the
+analyses import it from there, never this runner.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
-import hashlib
-import itertools
 import json
 import math
 import os
@@ -46,11 +47,24 @@ import sys
 import time
 import tomllib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
+
+from tools.experiments import analyses
+from tools.experiments.spec import (
+    EXPERIMENTS_DIR,
+    REPORT_PATH,
+    RESULTS_DIR,
+    Experiment,
+    RunSpec,
+    _variant,
+    expand_runs,
+    list_experiments,
+    load_experiment,
+    load_records,
+)
 
 __all__ = [
     "EXPERIMENTS_DIR",
@@ -67,132 +81,8 @@ __all__ = [
     "write_report",
 ]
 
-EXPERIMENTS_DIR = Path(__file__).parent
-REPO_ROOT = EXPERIMENTS_DIR.parent.parent
-RESULTS_DIR = REPO_ROOT / "docs" / "results"
-REPORT_PATH = REPO_ROOT / "docs" / "results.md"
-
 _CALIBRATIONS = ("pld", "rdp", "ddg", "fed-spa", "hu-guo-gong", "hu-guo-gong-nosecagg",
                  "fedpaq")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Experiment:
-    """One declared experiment (a TOML file of this directory)."""
-
-    name: str
-    title: str
-    paper: str
-    analysis: str
-    kind: str = "simulate"
-    seeds: tuple[int, ...] = (0,)
-    base: dict[str, Any] = field(default_factory=dict)
-    quick: dict[str, Any] = field(default_factory=dict)
-    runs: tuple[dict[str, Any], ...] = ()
-    notes: str = ""
-    path: Path | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("simulate", "compute"):
-            raise ValueError(f"{self.name}: kind must be 'simulate' or 'compute', "
-                             f"got {self.kind!r}")
-        if self.kind == "simulate" and not self.runs:
-            raise ValueError(f"{self.name}: a simulate experiment needs [[runs]]")
-        if not self.seeds:
-            raise ValueError(f"{self.name}: seeds must not be empty")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RunSpec:
-    """One fleet run: a label, the SimConfig settings, how the noise is set, and a seed."""
-
-    label: str
-    settings: dict[str, Any]
-    noise: dict[str, Any]
-    seed: int
-    meta: dict[str, Any]
-
-    @property
-    def key(self) -> str:
-        blob = json.dumps({"settings": self.settings, "noise": self.noise, "seed": self.seed},
-                          sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _normalise(table: dict[str, Any]) -> dict[str, Any]:
-    return {k.replace("-", "_"): v for k, v in table.items()}
-
-
-def load_experiment(path_or_name: str | Path) -> Experiment:
-    """An :class:`Experiment` from a TOML path or the name of one in this directory."""
-    path = Path(path_or_name)
-    if not path.suffix:
-        path = EXPERIMENTS_DIR / f"{path_or_name}.toml"
-        if not path.exists():
-            names = ", ".join(e.name for e in list_experiments())
-            raise ValueError(f"no experiment {str(path_or_name)!r}; known: {names}")
-    data = tomllib.loads(path.read_text())
-    known = {f.name for f in dataclasses.fields(Experiment)} - {"path"}
-    unknown = set(data) - known
-    if unknown:
-        raise ValueError(f"{path}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-    if data.get("name") != path.stem:
-        raise ValueError(f"{path}: name {data.get('name')!r} must equal the file stem")
-    return Experiment(
-        name=data["name"], title=data["title"], paper=data["paper"],
-        analysis=data["analysis"], kind=data.get("kind", "simulate"),
-        seeds=tuple(data.get("seeds", (0,))), base=_normalise(data.get("base", {})),
-        quick=_normalise(data.get("quick", {})),
-        runs=tuple(_normalise(r) for r in data.get("runs", ())), notes=data.get("notes", ""),
-        path=path,
-    )
-
-
-def list_experiments(directory: Path = EXPERIMENTS_DIR) -> list[Experiment]:
-    """Every experiment of ``directory``, sorted by name."""
-    return [load_experiment(p) for p in sorted(directory.glob("*.toml"))]
-
-
-def _variant(quick: bool, overrides: dict[str, Any]) -> str:
-    name = "quick" if quick else "full"
-    for k, v in sorted(overrides.items()):
-        name += f"+{k}={v}"
-    return name
-
-
-def expand_runs(exp: Experiment, *, quick: bool = False,
-                overrides: dict[str, Any] | None = None) -> list[RunSpec]:
-    """The (settings, seed) runs of ``exp``: base <- run <- grid point <- quick <- overrides."""
-    quick_table = dict(exp.quick) if quick else {}
-    seeds = tuple(quick_table.pop("seeds", exp.seeds))
-    quick_runs = quick_table.pop("runs", None)  # optional label filter for --quick
-    specs = []
-    for run in exp.runs:
-        run = dict(run)
-        label = run.pop("label")
-        if quick_runs is not None and not any(label.startswith(p) for p in quick_runs):
-            continue
-        noise = dict(run.pop("noise", {}))
-        meta = dict(run.pop("meta", {}))
-        grid = run.pop("grid", {})
-        keys = sorted(grid)
-        for values in itertools.product(*(grid[k] for k in keys)) if keys else [()]:
-            point = dict(zip(keys, values, strict=True))
-            settings = {**exp.base, **run, **point, **quick_table, **(overrides or {})}
-            settings.pop("progress", None)
-            for k in ("clip", "update_clip"):
-                if isinstance(settings.get(k), str):
-                    settings[k] = float(settings[k])
-            point_noise = dict(noise)
-            for k in list(point):
-                if k.startswith("noise_"):  # grid over a noise setting, e.g. noise_std
-                    point_noise[k.removeprefix("noise_")] = settings.pop(k)
-            full_label = label + "".join(f" {k}={v}" for k, v in point.items())
-            for seed in seeds:
-                specs.append(RunSpec(label=full_label, settings={**settings, "seed": seed},
-                                     noise=point_noise, seed=seed,
-                                     meta={**meta, **point, "group": label}))
-    return specs
 
 
 # ------------------------------------------------------------------ noise calibration
@@ -412,8 +302,6 @@ def run_experiment(exp: Experiment, *, quick: bool = False,
         meta.update(command=_command(exp, quick, overrides), quick=quick, overrides=overrides)
         _write_atomic(meta_path, meta)  # a variant still running is reported with its command
     if exp.kind == "compute":
-        from tools.experiments import analyses
-
         data = getattr(analyses, f"compute_{exp.analysis}")(quick=quick)
         _write_atomic(vdir / "results.json", data)
         ran, skipped = 1, 0
@@ -516,11 +404,6 @@ def _run_specs(exp: Experiment, specs: list[RunSpec], vdir: Path, variant: str,
     return ran, skipped
 
 
-def load_records(vdir: Path) -> list[dict[str, Any]]:
-    """The stored runs of one variant directory, in file-name order."""
-    return [json.loads(p.read_text()) for p in sorted((vdir / "runs").glob("*.json"))]
-
-
 # ------------------------------------------------------------------------- report
 
 
@@ -554,8 +437,6 @@ def write_report(*, root: Path = RESULTS_DIR, report: Path = REPORT_PATH,
                  experiments: Sequence[Experiment] | None = None,
                  preamble: str | None = None) -> Path:
     """Regenerate ``report`` (markdown) and every plot from the stored runs under ``root``."""
-    from tools.experiments import analyses
-
     exps = list(experiments) if experiments is not None else list_experiments()
     lines = [preamble if preamble is not None else analyses.PREAMBLE, ""]
     missing: list[str] = []
