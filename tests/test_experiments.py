@@ -25,7 +25,8 @@ from tools.experiments import (
     run_experiment,
     write_report,
 )
-from tools.simulate import SimConfig, simulate
+from tools.simconfig import SimConfig
+from tools.simulate import simulate
 
 TINY = """
 name = "tiny"

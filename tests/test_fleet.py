@@ -16,7 +16,7 @@ from edge_sdk import wire
 from edge_sdk.wire import Publish
 from tools.cli import main
 from tools.fleet import AGGREGATOR, DROP_STAGES, FLEET_NAME, DropoutSchedule, Fleet
-from tools.simulate import SimConfig
+from tools.simconfig import SimConfig
 
 # digits + logreg, few local steps: a protocol test, not a learning benchmark
 BASE = dict(dataset="digits", model="logreg", participation=0.1, local_steps=5,

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from tools.cli import main
-from tools.simulate import SimConfig, load_config, simulate
+from tools.simconfig import SimConfig, load_config
+from tools.simulate import simulate
 
 FAST = dict(dataset="digits", model="logreg", devices=20, participation=0.25, rounds=8,
             local_steps=10, batch_size=16, lr=0.5, seed=3, progress=False)

@@ -83,7 +83,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from tools.simulate import SimConfig, load_config, simulate, write_json
+    from tools.run import run
+    from tools.simconfig import SimConfig, load_config
+    from tools.simulate import write_json
 
     keys = ["dataset", "model", "devices", "participation", "rounds", "local_steps",
             "batch_size", "lr", "clip", "noise_multiplier", "delta", "partition", "sampling",
@@ -99,12 +101,7 @@ def _simulate(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, **overrides) if args.config else SimConfig(**overrides)
     if args.workdir and not cfg.secagg:
         raise ValueError("--workdir applies to the fleet path (--secagg or --transport mqtt)")
-    if cfg.secagg:
-        from tools.fleet import simulate_fleet
-
-        summary = simulate_fleet(cfg, workdir=args.workdir)
-    else:
-        summary = simulate(cfg)
+    summary = run(cfg, workdir=args.workdir)
     if args.json_out:
         write_json(summary, args.json_out)
     eps = summary["epsilon"]

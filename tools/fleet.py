@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -63,11 +63,10 @@ from edge_sdk.wire import CheckIn, Publish
 from models import manifest_path
 from tools.broker import device_names
 from tools.datasets import Dataset, load_dataset
+from tools.evaluate import evaluate
 from tools.inproc import MemoryBroker
 from tools.partition import partition
-
-if TYPE_CHECKING:
-    from tools.simulate import SimConfig
+from tools.simconfig import SimConfig
 
 __all__ = ["DROP_STAGES", "DeviceAgent", "DropoutSchedule", "Fleet", "simulate_fleet"]
 
@@ -448,8 +447,6 @@ class Fleet:
                 meter_before=self.meter.snapshot())
 
     def _evaluate(self, params: list[np.ndarray]) -> float:
-        from tools.simulate import evaluate
-
         return evaluate(self.engine, params, self.data.x_test, self.data.y_test,
                         self.cfg.eval_batch)
 

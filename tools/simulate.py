@@ -31,9 +31,11 @@ Mechanisms (``mechanism``):
 Uploads: the kept values (k = p*d of them), optionally quantized with s levels (QSGD,
 after the noise), counted in bytes: payload, msgpack framing and the MQTT PUBLISH header.
 
-With ``secagg`` (implied by ``transport = "mqtt"``) :func:`simulate` runs the fleet path
-instead (``tools.fleet``): real device sessions with ledgers and secure aggregation,
-dropouts (``dropout``), over the in-memory broker or a real mosquitto.
+The settings are a :class:`tools.simconfig.SimConfig`. With ``secagg`` (implied by
+``transport = "mqtt"``) a config belongs to the fleet path instead (``tools.fleet``: real
+device sessions with ledgers and secure aggregation, dropouts, over the in-memory broker or
+a real mosquitto); :func:`tools.run.run` picks the path, and :func:`simulate` refuses such
+a config.
 """
 
 from __future__ import annotations
@@ -44,8 +46,7 @@ import json
 import math
 import sys
 import time
-import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -61,13 +62,12 @@ from edge_sdk.ddp import (
     choose_bits_bounded,
     rounded_l2_bound,
 )
-from edge_sdk.engine import Engine, load_engine
+from edge_sdk.engine import load_engine
 from edge_sdk.model import build_spec, flatten_params, init_params, unflatten_params
 from edge_sdk.privacy import RdpAccountant
 from edge_sdk.privacy.discrete import DiscreteRdpAccountant, DistributedDiscreteGaussian
 from edge_sdk.privacy.paper_bounds import fedpaq_epsilon_from_noise
 from edge_sdk.train import (
-    LocalTraining,
     local_round,
     local_round_binomial,
     local_round_ddg,
@@ -75,10 +75,12 @@ from edge_sdk.train import (
 )
 from edge_sdk.wire import encode_update, mqtt_publish_size, update_topic
 from models import manifest_path
-from tools.datasets import DATASETS, load_dataset
-from tools.partition import parse_scheme, partition
+from tools.datasets import load_dataset
+from tools.evaluate import evaluate
+from tools.partition import partition
+from tools.simconfig import SimConfig
 
-__all__ = ["DDG_SCALE", "DdgPlan", "SimConfig", "ddg_plan", "load_config", "simulate"]
+__all__ = ["DDG_SCALE", "DdgPlan", "ddg_plan", "simulate"]
 
 DDG_SCALE = 1024
 """Default C / gamma of mechanism ``ddg``: a clipped sample spans 2^10 integer steps, so
@@ -87,202 +89,6 @@ variance is far below the noise's."""
 
 # Per round; a union bound over 45 rounds is still negligible.
 _DDG_WRAP_PROBABILITY = 1e-9
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SimConfig:
-    """A simulated fleet. Units: clip C is an L2 norm bound per sample; noise_multiplier z
-    is the noise std on the clipped sum divided by C (mechanism ``ddg``: the std of the
-    cohort's summed noise divided by C, so each device's sigma is z (C/gamma) / sqrt(r)
-    integer steps); ``ddg_gamma`` is model units per integer step (None: C / 1024);
-    epsilon is reported at ``delta``."""
-
-    dataset: str = "fashion-mnist"
-    model: str = "cnn"
-    devices: int = 100
-    participation: float = 0.1
-    rounds: int = 30
-    local_steps: int = 20
-    batch_size: int = 32
-    lr: float = 0.05
-    clip: float = math.inf
-    noise_multiplier: float = 0.0
-    delta: float = 1e-5
-    partition: str = "iid"
-    sampling: str = "poisson"
-    server_lr: float = 1.0
-    server_opt: str = "fedavg"
-    weighting: str = "uniform"
-    mechanism: str = "gaussian"
-    sparsity: float = 1.0
-    quant_levels: int = 0
-    update_clip: float | None = None
-    binomial_trials: int = 4096
-    ddg_gamma: float | None = None
-    backend: str = "onnx"
-    threads: int = 1
-    seed: int = 0
-    eval_every: int = 1
-    eval_batch: int = 2000
-    # The fleet path (tools.fleet): device sessions with ledgers, secure aggregation.
-    transport: str = "inproc"  # "inproc" (in-memory broker) | "mqtt" (a real mosquitto)
-    secagg: bool | None = None  # None: on for transport "mqtt", off for "inproc"
-    dropout: float = 0.0  # fraction of each cohort that vanishes at a random stage
-    stage_timeout: float = 120.0  # seconds per secure-aggregation stage (a safety net)
-    value_bound: float = 1.0  # uploads are clamped to [-B, B] before fixed-point encoding
-    budget_epsilon: float = 100.0  # each device ledger's lifetime budget at delta
-    progress: bool = field(default=True, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.transport not in ("inproc", "mqtt"):
-            raise ValueError(f"transport must be 'inproc' or 'mqtt', got {self.transport!r}")
-        if self.secagg is None:
-            object.__setattr__(self, "secagg", self.transport == "mqtt")
-        elif self.transport == "mqtt" and not self.secagg:
-            raise ValueError("transport 'mqtt' runs the fleet with secure aggregation; "
-                             "secagg = false is only for transport 'inproc'")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
-        if self.dropout and not self.secagg:
-            raise ValueError("dropout needs the fleet path (secagg = true or transport 'mqtt')")
-        if self.dataset not in DATASETS:
-            raise ValueError(f"dataset must be one of {DATASETS}, got {self.dataset!r}")
-        if self.devices < 1:
-            raise ValueError(f"devices must be >= 1, got {self.devices!r}")
-        if not 0 < self.participation <= 1:
-            raise ValueError(f"participation must be in (0, 1], got {self.participation!r}")
-        if self.rounds < 1:
-            raise ValueError(f"rounds must be >= 1, got {self.rounds!r}")
-        if not 0 < self.delta < 1:
-            raise ValueError(f"delta must be in (0, 1), got {self.delta!r}")
-        if self.weighting not in ("uniform", "samples"):
-            raise ValueError(f"weighting must be 'uniform' or 'samples', got {self.weighting!r}")
-        if self.mechanism not in ("gaussian", "update-noise", "binomial", "ddg"):
-            raise ValueError("mechanism must be 'gaussian', 'update-noise', 'binomial' or "
-                             f"'ddg', got {self.mechanism!r}")
-        if self.server_opt not in OPTIMIZERS:
-            raise ValueError(f"server_opt must be one of {sorted(OPTIMIZERS)}, "
-                             f"got {self.server_opt!r}")
-        if self.quant_levels < 0:
-            raise ValueError(f"quant_levels must be >= 0 (0: float32), got {self.quant_levels!r}")
-        if self.mechanism not in ("gaussian", "ddg") and self.sparsity != 1.0:
-            raise ValueError(f"mechanism {self.mechanism!r} is dense: use sparsity 1")
-        if self.mechanism == "ddg":
-            self.ddg_checks()
-        elif self.ddg_gamma is not None:
-            raise ValueError(f"ddg_gamma applies to mechanism 'ddg' only, got mechanism "
-                             f"{self.mechanism!r} with ddg_gamma={self.ddg_gamma!r}")
-        if self.eval_every < 1:
-            raise ValueError(f"eval_every must be >= 1, got {self.eval_every!r}")
-        parse_scheme(self.partition)
-        self.local()  # validates the local-round settings
-        if self.secagg:
-            self.fleet_checks()
-
-    @property
-    def cohort_size(self) -> int:
-        return max(1, round(self.participation * self.devices))
-
-    def ddg_checks(self) -> None:
-        """Raise ValueError for settings mechanism ``ddg`` cannot run (see the module)."""
-        if self.secagg:
-            raise ValueError("mechanism 'ddg' runs in-process (the simulator applies secure "
-                             "aggregation's sum mod 2^bits itself): use transport 'inproc' "
-                             f"with secagg = false, got transport={self.transport!r}, "
-                             f"secagg={self.secagg!r}")
-        if not (math.isfinite(self.clip) and self.clip > 0):
-            raise ValueError(f"mechanism 'ddg' needs a finite clip > 0 (the per-sample "
-                             f"integer norm bound depends on it), got {self.clip!r}")
-        if self.local_steps != 1:
-            raise ValueError(f"mechanism 'ddg' is one full-batch step per round (FedSGD: "
-                             f"other devices' noise covers only the released sum), so "
-                             f"local_steps must be 1, got {self.local_steps!r}")
-        if self.quant_levels:
-            raise ValueError(f"mechanism 'ddg' uploads integers mod 2^bits, not QSGD: "
-                             f"quant_levels must be 0, got {self.quant_levels!r}")
-        if self.update_clip is not None:
-            raise ValueError(f"mechanism 'ddg' clips per sample, not the update: "
-                             f"update_clip must be unset, got {self.update_clip!r}")
-        if self.weighting != "uniform":
-            raise ValueError("mechanism 'ddg' sums samples and divides by the public r x "
-                             "mean local data size: weighting must be 'uniform', got "
-                             f"{self.weighting!r}")
-        if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
-            raise ValueError(f"noise_multiplier must be finite and >= 0, "
-                             f"got {self.noise_multiplier!r}")
-        if self.ddg_gamma is not None:
-            g = self.ddg_gamma
-            if isinstance(g, bool) or not (isinstance(g, int | float) and math.isfinite(g)
-                                           and g > 0):
-                raise ValueError(f"ddg_gamma must be finite and > 0, got {g!r}")
-            if self.clip / g > 2**30:
-                raise ValueError(f"clip / ddg_gamma must be <= 2^30, got {self.clip / g!r}")
-
-    def fleet_checks(self) -> None:
-        """Raise ValueError for settings the fleet path (secure aggregation) cannot run."""
-        if self.mechanism != "gaussian":
-            raise ValueError(f"secure aggregation runs mechanism 'gaussian', "
-                             f"got {self.mechanism!r}")
-        if self.weighting != "uniform":
-            raise ValueError("secure aggregation sums uniformly: weighting must be 'uniform'")
-        if not math.isfinite(self.clip):
-            raise ValueError("secure aggregation needs a finite clip (the devices' ledgers "
-                             "and the fixed-point range depend on it)")
-        if not self.noise_multiplier > 0:
-            raise ValueError("the fleet path needs noise_multiplier > 0: a device's ledger "
-                             "refuses a release with unbounded epsilon")
-        if self.cohort_size < 3:
-            raise ValueError(f"secure aggregation needs a cohort of >= 3 devices, "
-                             f"participation * devices gives {self.cohort_size}")
-        for name in ("stage_timeout", "value_bound", "budget_epsilon"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v > 0):
-                raise ValueError(f"{name} must be finite and > 0, got {v!r}")
-
-    def as_dict(self) -> dict[str, Any]:
-        """The settings as JSON-able values (non-finite floats as None)."""
-        return {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
-                for k, v in dataclasses.asdict(self).items()}
-
-    def local(self) -> LocalTraining:
-        return LocalTraining(
-            steps=self.local_steps,
-            batch_size=self.batch_size,
-            lr=self.lr,
-            clip=self.clip,
-            noise_multiplier=self.noise_multiplier,
-            sampling=self.sampling,  # type: ignore[arg-type]
-            sparsity=self.sparsity,
-        )
-
-
-def load_config(path: str | Path, **overrides: Any) -> SimConfig:
-    """A :class:`SimConfig` from a TOML file (keys as the dataclass fields, dashes allowed,
-    optionally under a ``[simulate]`` table), with ``overrides`` applied on top."""
-    data = tomllib.loads(Path(path).read_text())
-    data = data.get("simulate", data)
-    known = {f.name for f in dataclasses.fields(SimConfig)}
-    values = {}
-    for key, value in data.items():
-        name = key.replace("-", "_")
-        if name not in known:
-            raise ValueError(f"{path}: unknown setting {key!r}; known: {sorted(known)}")
-        values[name] = value
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    for key in ("clip", "update_clip"):
-        if isinstance(values.get(key), str):
-            values[key] = float(values[key])
-    return SimConfig(**values)
-
-
-def evaluate(engine: Engine, params: list[np.ndarray], x: np.ndarray, y: np.ndarray,
-             batch: int = 2000) -> float:
-    """Top-1 accuracy of ``params`` on (x, y)."""
-    correct = 0
-    for s in range(0, len(y), batch):
-        logits = engine.logits(params, x[s : s + batch])
-        correct += int((logits.argmax(axis=1) == y[s : s + batch]).sum())
-    return correct / len(y)
 
 
 class _Progress:
@@ -410,11 +216,15 @@ def _upload_ddg(k: int, bits: int, rnd: int, device: int) -> tuple[int, int]:
 
 
 def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
-    """Run the fleet; return the JSON-able summary (see module docstring for epsilon)."""
-    if cfg.secagg:
-        from tools.fleet import simulate_fleet
+    """Run the fleet; return the JSON-able summary (see module docstring for epsilon).
 
-        return simulate_fleet(cfg, out=out)
+    The fast path only: a config with ``secagg`` is the fleet path's, which
+    :func:`tools.run.run` dispatches to (this module does not import ``tools.fleet``).
+    """
+    if cfg.secagg:
+        raise ValueError("simulate() is the in-process path without secure aggregation: "
+                         "run a config with secagg = true through tools.run.run (the fleet "
+                         f"path), got transport={cfg.transport!r}, secagg={cfg.secagg!r}")
     t0 = time.perf_counter()
     data = load_dataset(cfg.dataset)
     spec = build_spec(cfg.model, data.input_shape, data.num_classes)

@@ -44,7 +44,7 @@ from edge_sdk.model import build_spec
 from edge_sdk.engine import load_engine
 from models import manifest_path
 from tools.fleet import Fleet
-from tools.simulate import SimConfig
+from tools.simconfig import SimConfig
 
 data = load_dataset("digits")
 spec = build_spec("logreg", data.input_shape, data.num_classes)

@@ -29,15 +29,16 @@ Resumable: each finished (config, seed) run is written, atomically, to
 settings); a rerun skips the runs whose file exists, and concurrent workers (``--jobs``)
 claim runs with a per-run advisory lock. ``variant`` is ``full`` or ``quick``,
 with ``+key=value`` appended for ``--set`` overrides.
+
+The data model (:class:`Experiment`, :class:`RunSpec`, :func:`expand_runs`,
+:func:`load_records`) lives in ``tools.experiments.spec`` and is re-exported here; the
+analyses import it from there, never this runner.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
-import hashlib
-import itertools
 import json
 import math
 import os
@@ -46,11 +47,24 @@ import sys
 import time
 import tomllib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
+
+from tools.experiments import analyses
+from tools.experiments.spec import (
+    EXPERIMENTS_DIR,
+    REPORT_PATH,
+    RESULTS_DIR,
+    Experiment,
+    RunSpec,
+    _variant,
+    expand_runs,
+    list_experiments,
+    load_experiment,
+    load_records,
+)
 
 __all__ = [
     "EXPERIMENTS_DIR",
@@ -67,132 +81,8 @@ __all__ = [
     "write_report",
 ]
 
-EXPERIMENTS_DIR = Path(__file__).parent
-REPO_ROOT = EXPERIMENTS_DIR.parent.parent
-RESULTS_DIR = REPO_ROOT / "docs" / "results"
-REPORT_PATH = REPO_ROOT / "docs" / "results.md"
-
 _CALIBRATIONS = ("pld", "rdp", "ddg", "fed-spa", "hu-guo-gong", "hu-guo-gong-nosecagg",
                  "fedpaq")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Experiment:
-    """One declared experiment (a TOML file of this directory)."""
-
-    name: str
-    title: str
-    paper: str
-    analysis: str
-    kind: str = "simulate"
-    seeds: tuple[int, ...] = (0,)
-    base: dict[str, Any] = field(default_factory=dict)
-    quick: dict[str, Any] = field(default_factory=dict)
-    runs: tuple[dict[str, Any], ...] = ()
-    notes: str = ""
-    path: Path | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("simulate", "compute"):
-            raise ValueError(f"{self.name}: kind must be 'simulate' or 'compute', "
-                             f"got {self.kind!r}")
-        if self.kind == "simulate" and not self.runs:
-            raise ValueError(f"{self.name}: a simulate experiment needs [[runs]]")
-        if not self.seeds:
-            raise ValueError(f"{self.name}: seeds must not be empty")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RunSpec:
-    """One fleet run: a label, the SimConfig settings, how the noise is set, and a seed."""
-
-    label: str
-    settings: dict[str, Any]
-    noise: dict[str, Any]
-    seed: int
-    meta: dict[str, Any]
-
-    @property
-    def key(self) -> str:
-        blob = json.dumps({"settings": self.settings, "noise": self.noise, "seed": self.seed},
-                          sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _normalise(table: dict[str, Any]) -> dict[str, Any]:
-    return {k.replace("-", "_"): v for k, v in table.items()}
-
-
-def load_experiment(path_or_name: str | Path) -> Experiment:
-    """An :class:`Experiment` from a TOML path or the name of one in this directory."""
-    path = Path(path_or_name)
-    if not path.suffix:
-        path = EXPERIMENTS_DIR / f"{path_or_name}.toml"
-        if not path.exists():
-            names = ", ".join(e.name for e in list_experiments())
-            raise ValueError(f"no experiment {str(path_or_name)!r}; known: {names}")
-    data = tomllib.loads(path.read_text())
-    known = {f.name for f in dataclasses.fields(Experiment)} - {"path"}
-    unknown = set(data) - known
-    if unknown:
-        raise ValueError(f"{path}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-    if data.get("name") != path.stem:
-        raise ValueError(f"{path}: name {data.get('name')!r} must equal the file stem")
-    return Experiment(
-        name=data["name"], title=data["title"], paper=data["paper"],
-        analysis=data["analysis"], kind=data.get("kind", "simulate"),
-        seeds=tuple(data.get("seeds", (0,))), base=_normalise(data.get("base", {})),
-        quick=_normalise(data.get("quick", {})),
-        runs=tuple(_normalise(r) for r in data.get("runs", ())), notes=data.get("notes", ""),
-        path=path,
-    )
-
-
-def list_experiments(directory: Path = EXPERIMENTS_DIR) -> list[Experiment]:
-    """Every experiment of ``directory``, sorted by name."""
-    return [load_experiment(p) for p in sorted(directory.glob("*.toml"))]
-
-
-def _variant(quick: bool, overrides: dict[str, Any]) -> str:
-    name = "quick" if quick else "full"
-    for k, v in sorted(overrides.items()):
-        name += f"+{k}={v}"
-    return name
-
-
-def expand_runs(exp: Experiment, *, quick: bool = False,
-                overrides: dict[str, Any] | None = None) -> list[RunSpec]:
-    """The (settings, seed) runs of ``exp``: base <- run <- grid point <- quick <- overrides."""
-    quick_table = dict(exp.quick) if quick else {}
-    seeds = tuple(quick_table.pop("seeds", exp.seeds))
-    quick_runs = quick_table.pop("runs", None)  # optional label filter for --quick
-    specs = []
-    for run in exp.runs:
-        run = dict(run)
-        label = run.pop("label")
-        if quick_runs is not None and not any(label.startswith(p) for p in quick_runs):
-            continue
-        noise = dict(run.pop("noise", {}))
-        meta = dict(run.pop("meta", {}))
-        grid = run.pop("grid", {})
-        keys = sorted(grid)
-        for values in itertools.product(*(grid[k] for k in keys)) if keys else [()]:
-            point = dict(zip(keys, values, strict=True))
-            settings = {**exp.base, **run, **point, **quick_table, **(overrides or {})}
-            settings.pop("progress", None)
-            for k in ("clip", "update_clip"):
-                if isinstance(settings.get(k), str):
-                    settings[k] = float(settings[k])
-            point_noise = dict(noise)
-            for k in list(point):
-                if k.startswith("noise_"):  # grid over a noise setting, e.g. noise_std
-                    point_noise[k.removeprefix("noise_")] = settings.pop(k)
-            full_label = label + "".join(f" {k}={v}" for k, v in point.items())
-            for seed in seeds:
-                specs.append(RunSpec(label=full_label, settings={**settings, "seed": seed},
-                                     noise=point_noise, seed=seed,
-                                     meta={**meta, **point, "group": label}))
-    return specs
 
 
 # ------------------------------------------------------------------ noise calibration
@@ -208,7 +98,7 @@ def fleet_facts(settings: dict[str, Any]) -> tuple[int, int]:
     from aggregator.fedavg import select_cohort
     from tools.datasets import load_dataset
     from tools.partition import partition
-    from tools.simulate import SimConfig
+    from tools.simconfig import SimConfig
 
     cfg = SimConfig(**{**settings, "progress": False})
     seeds = np.random.SeedSequence(cfg.seed).spawn(3)
@@ -265,7 +155,8 @@ def _ddg_noise(settings: dict[str, Any], target: float, delta: float, rounds: in
     from edge_sdk.model import build_spec
     from edge_sdk.privacy.discrete import discrete_epsilon
     from tools.datasets import load_dataset
-    from tools.simulate import SimConfig, ddg_plan
+    from tools.simconfig import SimConfig
+    from tools.simulate import ddg_plan
 
     data = load_dataset(settings.get("dataset", "fashion-mnist"))
     d = build_spec(settings.get("model", "cnn"), data.input_shape, data.num_classes).num_params
@@ -335,7 +226,7 @@ def calibrate(settings: dict[str, Any], noise: dict[str, Any]) -> dict[str, Any]
             math.isfinite(as_printed(z)) for z in np.geomspace(0.1, 1e3, 41))
         z = _smallest_noise(formula, eps)
     elif method.startswith("hu-guo-gong"):
-        from tools.simulate import SimConfig
+        from tools.simconfig import SimConfig
 
         r = 1 if method.endswith("nosecagg") else SimConfig(
             **{**settings, "progress": False}).cohort_size
@@ -395,7 +286,8 @@ def run_experiment(exp: Experiment, *, quick: bool = False,
     stopped. ``jobs`` > 1 runs that many worker processes (one core each: the simulator
     is single-threaded); workers, and separate invocations of the same experiment, claim
     runs with an advisory lock per run, so none is run twice and a killed worker's claim
-    ends with it. ``simulate_fn`` is injectable for tests (default: tools.simulate.simulate).
+    ends with it. ``simulate_fn`` is injectable for tests (default: :func:`tools.run.run`,
+    which picks the fast or the fleet path from the settings' ``secagg``).
     """
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs!r}")
@@ -410,8 +302,6 @@ def run_experiment(exp: Experiment, *, quick: bool = False,
         meta.update(command=_command(exp, quick, overrides), quick=quick, overrides=overrides)
         _write_atomic(meta_path, meta)  # a variant still running is reported with its command
     if exp.kind == "compute":
-        from tools.experiments import analyses
-
         data = getattr(analyses, f"compute_{exp.analysis}")(quick=quick)
         _write_atomic(vdir / "results.json", data)
         ran, skipped = 1, 0
@@ -485,10 +375,10 @@ def _run_specs(exp: Experiment, specs: list[RunSpec], vdir: Path, variant: str,
                out: TextIO, simulate_fn: Callable[..., dict] | None,
                tag: str) -> tuple[int, int]:
     """Run each spec not yet stored and not claimed by another process; (ran, skipped)."""
-    from tools.simulate import SimConfig
+    from tools.simconfig import SimConfig
 
     if simulate_fn is None:
-        from tools.simulate import simulate as simulate_fn
+        from tools.run import run as simulate_fn
     ran = skipped = 0
     for i, spec in enumerate(specs, 1):
         path = vdir / "runs" / f"{spec.key}.json"
@@ -512,11 +402,6 @@ def _run_specs(exp: Experiment, specs: list[RunSpec], vdir: Path, variant: str,
                                  "settings": _jsonable(spec.settings), "summary": summary})
             ran += 1
     return ran, skipped
-
-
-def load_records(vdir: Path) -> list[dict[str, Any]]:
-    """The stored runs of one variant directory, in file-name order."""
-    return [json.loads(p.read_text()) for p in sorted((vdir / "runs").glob("*.json"))]
 
 
 # ------------------------------------------------------------------------- report
@@ -552,8 +437,6 @@ def write_report(*, root: Path = RESULTS_DIR, report: Path = REPORT_PATH,
                  experiments: Sequence[Experiment] | None = None,
                  preamble: str | None = None) -> Path:
     """Regenerate ``report`` (markdown) and every plot from the stored runs under ``root``."""
-    from tools.experiments import analyses
-
     exps = list(experiments) if experiments is not None else list_experiments()
     lines = [preamble if preamble is not None else analyses.PREAMBLE, ""]
     missing: list[str] = []

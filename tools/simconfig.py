@@ -1,0 +1,209 @@
+"""The settings of a simulated fleet, shared by both paths and the experiments.
+
+:class:`SimConfig` is validated on construction, for the fast in-process simulator
+(``tools.simulate``) and the fleet path with secure aggregation (``tools.fleet``) alike;
+:func:`tools.run.run` picks the path from ``cfg.secagg``. This module imports neither
+path, so each of them, and the experiment runner, can depend on it without a cycle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aggregator.optimizers import OPTIMIZERS
+from edge_sdk.train import LocalTraining
+from tools.datasets import DATASETS
+from tools.partition import parse_scheme
+
+__all__ = ["SimConfig", "load_config"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimConfig:
+    """A simulated fleet. Units: clip C is an L2 norm bound per sample; noise_multiplier z
+    is the noise std on the clipped sum divided by C (mechanism ``ddg``: the std of the
+    cohort's summed noise divided by C, so each device's sigma is z (C/gamma) / sqrt(r)
+    integer steps); ``ddg_gamma`` is model units per integer step (None: C / 1024);
+    epsilon is reported at ``delta``."""
+
+    dataset: str = "fashion-mnist"
+    model: str = "cnn"
+    devices: int = 100
+    participation: float = 0.1
+    rounds: int = 30
+    local_steps: int = 20
+    batch_size: int = 32
+    lr: float = 0.05
+    clip: float = math.inf
+    noise_multiplier: float = 0.0
+    delta: float = 1e-5
+    partition: str = "iid"
+    sampling: str = "poisson"
+    server_lr: float = 1.0
+    server_opt: str = "fedavg"
+    weighting: str = "uniform"
+    mechanism: str = "gaussian"
+    sparsity: float = 1.0
+    quant_levels: int = 0
+    update_clip: float | None = None
+    binomial_trials: int = 4096
+    ddg_gamma: float | None = None
+    backend: str = "onnx"
+    threads: int = 1
+    seed: int = 0
+    eval_every: int = 1
+    eval_batch: int = 2000
+    # The fleet path (tools.fleet): device sessions with ledgers, secure aggregation.
+    transport: str = "inproc"  # "inproc" (in-memory broker) | "mqtt" (a real mosquitto)
+    secagg: bool | None = None  # None: on for transport "mqtt", off for "inproc"
+    dropout: float = 0.0  # fraction of each cohort that vanishes at a random stage
+    stage_timeout: float = 120.0  # seconds per secure-aggregation stage (a safety net)
+    value_bound: float = 1.0  # uploads are clamped to [-B, B] before fixed-point encoding
+    budget_epsilon: float = 100.0  # each device ledger's lifetime budget at delta
+    progress: bool = field(default=True, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("inproc", "mqtt"):
+            raise ValueError(f"transport must be 'inproc' or 'mqtt', got {self.transport!r}")
+        if self.secagg is None:
+            object.__setattr__(self, "secagg", self.transport == "mqtt")
+        elif self.transport == "mqtt" and not self.secagg:
+            raise ValueError("transport 'mqtt' runs the fleet with secure aggregation; "
+                             "secagg = false is only for transport 'inproc'")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if self.dropout and not self.secagg:
+            raise ValueError("dropout needs the fleet path (secagg = true or transport 'mqtt')")
+        if self.dataset not in DATASETS:
+            raise ValueError(f"dataset must be one of {DATASETS}, got {self.dataset!r}")
+        if self.devices < 1:
+            raise ValueError(f"devices must be >= 1, got {self.devices!r}")
+        if not 0 < self.participation <= 1:
+            raise ValueError(f"participation must be in (0, 1], got {self.participation!r}")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds!r}")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"delta must be in (0, 1), got {self.delta!r}")
+        if self.weighting not in ("uniform", "samples"):
+            raise ValueError(f"weighting must be 'uniform' or 'samples', got {self.weighting!r}")
+        if self.mechanism not in ("gaussian", "update-noise", "binomial", "ddg"):
+            raise ValueError("mechanism must be 'gaussian', 'update-noise', 'binomial' or "
+                             f"'ddg', got {self.mechanism!r}")
+        if self.server_opt not in OPTIMIZERS:
+            raise ValueError(f"server_opt must be one of {sorted(OPTIMIZERS)}, "
+                             f"got {self.server_opt!r}")
+        if self.quant_levels < 0:
+            raise ValueError(f"quant_levels must be >= 0 (0: float32), got {self.quant_levels!r}")
+        if self.mechanism not in ("gaussian", "ddg") and self.sparsity != 1.0:
+            raise ValueError(f"mechanism {self.mechanism!r} is dense: use sparsity 1")
+        if self.mechanism == "ddg":
+            self.ddg_checks()
+        elif self.ddg_gamma is not None:
+            raise ValueError(f"ddg_gamma applies to mechanism 'ddg' only, got mechanism "
+                             f"{self.mechanism!r} with ddg_gamma={self.ddg_gamma!r}")
+        if self.eval_every < 1:
+            raise ValueError(f"eval_every must be >= 1, got {self.eval_every!r}")
+        parse_scheme(self.partition)
+        self.local()  # validates the local-round settings
+        if self.secagg:
+            self.fleet_checks()
+
+    @property
+    def cohort_size(self) -> int:
+        return max(1, round(self.participation * self.devices))
+
+    def ddg_checks(self) -> None:
+        """Raise ValueError for settings mechanism ``ddg`` cannot run (see the module)."""
+        if self.secagg:
+            raise ValueError("mechanism 'ddg' runs in-process (the simulator applies secure "
+                             "aggregation's sum mod 2^bits itself): use transport 'inproc' "
+                             f"with secagg = false, got transport={self.transport!r}, "
+                             f"secagg={self.secagg!r}")
+        if not (math.isfinite(self.clip) and self.clip > 0):
+            raise ValueError(f"mechanism 'ddg' needs a finite clip > 0 (the per-sample "
+                             f"integer norm bound depends on it), got {self.clip!r}")
+        if self.local_steps != 1:
+            raise ValueError(f"mechanism 'ddg' is one full-batch step per round (FedSGD: "
+                             f"other devices' noise covers only the released sum), so "
+                             f"local_steps must be 1, got {self.local_steps!r}")
+        if self.quant_levels:
+            raise ValueError(f"mechanism 'ddg' uploads integers mod 2^bits, not QSGD: "
+                             f"quant_levels must be 0, got {self.quant_levels!r}")
+        if self.update_clip is not None:
+            raise ValueError(f"mechanism 'ddg' clips per sample, not the update: "
+                             f"update_clip must be unset, got {self.update_clip!r}")
+        if self.weighting != "uniform":
+            raise ValueError("mechanism 'ddg' sums samples and divides by the public r x "
+                             "mean local data size: weighting must be 'uniform', got "
+                             f"{self.weighting!r}")
+        if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
+            raise ValueError(f"noise_multiplier must be finite and >= 0, "
+                             f"got {self.noise_multiplier!r}")
+        if self.ddg_gamma is not None:
+            g = self.ddg_gamma
+            if isinstance(g, bool) or not (isinstance(g, int | float) and math.isfinite(g)
+                                           and g > 0):
+                raise ValueError(f"ddg_gamma must be finite and > 0, got {g!r}")
+            if self.clip / g > 2**30:
+                raise ValueError(f"clip / ddg_gamma must be <= 2^30, got {self.clip / g!r}")
+
+    def fleet_checks(self) -> None:
+        """Raise ValueError for settings the fleet path (secure aggregation) cannot run."""
+        if self.mechanism != "gaussian":
+            raise ValueError(f"secure aggregation runs mechanism 'gaussian', "
+                             f"got {self.mechanism!r}")
+        if self.weighting != "uniform":
+            raise ValueError("secure aggregation sums uniformly: weighting must be 'uniform'")
+        if not math.isfinite(self.clip):
+            raise ValueError("secure aggregation needs a finite clip (the devices' ledgers "
+                             "and the fixed-point range depend on it)")
+        if not self.noise_multiplier > 0:
+            raise ValueError("the fleet path needs noise_multiplier > 0: a device's ledger "
+                             "refuses a release with unbounded epsilon")
+        if self.cohort_size < 3:
+            raise ValueError(f"secure aggregation needs a cohort of >= 3 devices, "
+                             f"participation * devices gives {self.cohort_size}")
+        for name in ("stage_timeout", "value_bound", "budget_epsilon"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be finite and > 0, got {v!r}")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The settings as JSON-able values (non-finite floats as None)."""
+        return {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
+                for k, v in dataclasses.asdict(self).items()}
+
+    def local(self) -> LocalTraining:
+        return LocalTraining(
+            steps=self.local_steps,
+            batch_size=self.batch_size,
+            lr=self.lr,
+            clip=self.clip,
+            noise_multiplier=self.noise_multiplier,
+            sampling=self.sampling,  # type: ignore[arg-type]
+            sparsity=self.sparsity,
+        )
+
+
+def load_config(path: str | Path, **overrides: Any) -> SimConfig:
+    """A :class:`SimConfig` from a TOML file (keys as the dataclass fields, dashes allowed,
+    optionally under a ``[simulate]`` table), with ``overrides`` applied on top."""
+    data = tomllib.loads(Path(path).read_text())
+    data = data.get("simulate", data)
+    known = {f.name for f in dataclasses.fields(SimConfig)}
+    values = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ValueError(f"{path}: unknown setting {key!r}; known: {sorted(known)}")
+        values[name] = value
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    for key in ("clip", "update_clip"):
+        if isinstance(values.get(key), str):
+            values[key] = float(values[key])
+    return SimConfig(**values)
