@@ -77,6 +77,7 @@ from edge_sdk.wire import encode_update, mqtt_publish_size, update_topic
 from models import manifest_path
 from tools.datasets import DATASETS, load_dataset
 from tools.partition import parse_scheme, partition
+from tools.summary import model_sha256
 
 __all__ = ["DDG_SCALE", "DdgPlan", "SimConfig", "ddg_plan", "load_config", "simulate"]
 
@@ -588,6 +589,7 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
         "device_rounds": uploads,
         "max_rounds_per_device": int(participated.max()),
         "num_params": d,
+        "model_sha256": model_sha256(params),
         "wall_seconds": time.perf_counter() - t0,
         "config": {k: (finite(v) if isinstance(v, float) else v)
                    for k, v in dataclasses.asdict(cfg).items()},
