@@ -59,6 +59,7 @@ import numpy as np
 
 from edge_sdk import wire
 from edge_sdk.csprng import secure_round_rng
+from edge_sdk.errors import EdgeError
 from edge_sdk.ledger import Budget, Ledger
 from edge_sdk.mqtt import BrokerAddress, ClientConfig, MqttLoop
 from edge_sdk.secagg import AggregatorIdentity, DeviceIdentity, Registry
@@ -95,7 +96,7 @@ _REGISTRY_FORMAT = "fedge-registry"
 _FORMAT_VERSION = 1
 
 
-class ConfigError(ValueError):
+class ConfigError(EdgeError, ValueError):
     """A configuration, key, password or registry file that cannot be used (named)."""
 
 
