@@ -17,7 +17,7 @@ again to the devices that have not answered, every ``stage_timeout / 4`` (at mos
 ``_RESENDS`` times, on the clock the machine is driven with): devices answer an exact
 duplicate with the same answer, so a message the broker dropped costs a retry, not a round.
 A round in which fewer than ``policy.min_survivors`` devices remain at any stage, or
-which ``SecAggServer`` cannot finish (:class:`edge_sdk.secagg.RoundFailed`), fails
+which ``SecAggServer`` cannot finish (:class:`edge_sdk.errors.RoundFailed`), fails
 cleanly: nothing is unmasked, the cohort gets an ``ErrorNotice("round_failed")`` and the
 next round proceeds.
 
@@ -68,17 +68,18 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from aggregator.errors import AggregatorError
 from aggregator.guard import FloodGuard, FloodLimits
 from aggregator.optimizers import OPTIMIZERS
 from aggregator.secure_sum import SecAggServer, ServerStage
 from edge_sdk import compress, secagg, wire
-from edge_sdk.secagg import (
-    AggregatorIdentity,
-    Registry,
+from edge_sdk.errors import (
+    LocalProtocolError,
     RemoteProtocolError,
     ReplayedMessage,
     RoundFailed,
 )
+from edge_sdk.secagg import AggregatorIdentity, Registry
 from edge_sdk.wire import (
     CheckIn,
     Decline,
@@ -92,7 +93,6 @@ from edge_sdk.wire import (
 )
 
 __all__ = [
-    "AggregatorError",
     "Event",
     "Quarantined",
     "Released",
@@ -111,10 +111,6 @@ SNAPSHOT_VERSION = 1
 _HISTORY = 32  # outcomes kept (the snapshot stays bounded over a long-lived fleet)
 _RESENDS = 3  # re-sends of a stage's requests, at 1/4, 2/4 and 3/4 of its timeout
 _EVENTS = 4096  # events kept for a driver that does not take them (oldest dropped)
-
-
-class AggregatorError(Exception):
-    """Root of the aggregator's errors."""
 
 
 class SnapshotError(AggregatorError):
@@ -953,7 +949,8 @@ class RoundMachine:
         except SnapshotError:
             raise
         except (ValueError, TypeError, KeyError, IndexError, AttributeError,
-                msgpack.UnpackException, secagg.SecAggError) as e:
+                msgpack.UnpackException, LocalProtocolError, RemoteProtocolError,
+                RoundFailed) as e:
             raise SnapshotError(f"cannot restore the snapshot: {type(e).__name__}: {e}") from None
 
     @classmethod

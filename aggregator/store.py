@@ -20,7 +20,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from aggregator.rounds import AggregatorError
+from aggregator.errors import AggregatorError
 
 __all__ = ["CheckpointCorrupted", "CheckpointStore"]
 

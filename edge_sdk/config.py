@@ -42,6 +42,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from edge_sdk.errors import EdgeError
 from edge_sdk.secagg import AggregatorIdentity, DeviceIdentity, Registry
 
 __all__ = [
@@ -65,7 +66,7 @@ _REGISTRY_FORMAT = "fedge-registry"
 _FORMAT_VERSION = 1
 
 
-class ConfigError(ValueError):
+class ConfigError(EdgeError, ValueError):
     """A configuration, key, password or registry file that cannot be used (named)."""
 
 

@@ -70,6 +70,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from edge_sdk._validate import check_int as _check_int
+from edge_sdk.errors import EdgeError
 from edge_sdk.privacy.discrete import DistributedDiscreteGaussian, DistributedSkellam
 
 __all__ = [
@@ -119,7 +120,7 @@ _TWO64 = 1 << 64
 _MAX_SQ_NORM = 1 << 62
 
 
-class ConditionalRoundingFailed(ArithmeticError):
+class ConditionalRoundingFailed(EdgeError, ArithmeticError):
     """Conditional randomized rounding found no rounding within the norm bound in time.
 
     With ``||x|| <= clip`` each try succeeds with probability at least 1 - beta (KLS

@@ -94,6 +94,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeAlias
 
+from edge_sdk.errors import EdgeError
 from edge_sdk.privacy import (
     Composed,
     Event,
@@ -153,8 +154,8 @@ _COLUMNS = ("seq", "kind", "reservation", "round_id", "model_id", "time", "event
 # ------------------------------------------------------------------------------ errors
 
 
-class LedgerError(Exception):
-    """Root of the ledger's errors."""
+class LedgerError(EdgeError):
+    """Root of the ledger's errors (an :class:`edge_sdk.errors.EdgeError`)."""
 
 
 class LedgerCorrupted(LedgerError):

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from edge_sdk.errors import EdgeError
+
 __all__ = [
     "Conv2d",
     "Flatten",
@@ -25,13 +27,17 @@ __all__ = [
     "UnsupportedLayer",
     "ZOO",
     "build_spec",
+    "cnn",
     "flatten_params",
     "init_params",
+    "logreg",
+    "mlp",
+    "tabular",
     "unflatten_params",
 ]
 
 
-class UnsupportedLayer(ValueError):
+class UnsupportedLayer(EdgeError, ValueError):
     """A layer outside the supported set (Linear, Conv2d, MaxPool2d, Relu, Flatten)."""
 
 

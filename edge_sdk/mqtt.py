@@ -14,9 +14,9 @@ Every connect, the first included, sets ``clean_start=False`` with a Session Exp
 Interval > 0: paho's default starts the *first* connect clean, which throws away a session
 (and the QoS 1 messages queued in it) that a previous process of the same device left.
 
-Exceptions::
+Exceptions (the whole tree: :mod:`edge_sdk.errors`)::
 
-    MqttError
+    errors.TransportError
      +-- PacketTooLarge   a publish exceeds the broker's Maximum Packet Size
 """
 
@@ -39,6 +39,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
+from edge_sdk.errors import TransportError
 from edge_sdk.wire import Publish, mqtt_publish_size
 
 __all__ = [
@@ -46,11 +47,11 @@ __all__ = [
     "ClientConfig",
     "Endpoint",
     "LoopStats",
-    "MqttError",
     "MqttLoop",
     "OFFLINE",
     "ONLINE",
     "PacketTooLarge",
+    "TransportError",
     "backoff_delay",
     "connect_properties",
     "make_client",
@@ -65,11 +66,7 @@ OFFLINE = b"offline"
 _FATAL_CONNACK = {0x84, 0x85, 0x86, 0x87, 0x8A, 0x8C}  # bad version/id/password, not authz, banned
 
 
-class MqttError(Exception):
-    """Root of this adapter's errors."""
-
-
-class PacketTooLarge(MqttError):
+class PacketTooLarge(TransportError):
     """A publish would exceed the Maximum Packet Size the broker advertised in CONNACK."""
 
 

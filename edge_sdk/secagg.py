@@ -119,9 +119,9 @@ aggregator's own messages with its key) over ``b"fedge/secagg/v1/sig" + digest +
 msgpack(message without "sig")``. Binding the config digest means a message from another
 round, or built on a different view of the round, fails verification.
 
-Exceptions::
+Exceptions (defined in :mod:`edge_sdk.errors`, whose docstring draws the whole tree)::
 
-    SecAggError
+    EdgeError
      +-- LocalProtocolError     this endpoint's caller did wrong (a call out of order)
      +-- RemoteProtocolError    a peer sent something invalid (malformed, bad signature,
      |    |                     outsider, wrong round, wrong stage); no state changed
@@ -162,6 +162,13 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from edge_sdk._validate import check_int as _check_int
+from edge_sdk.errors import (
+    LocalProtocolError,
+    RemoteProtocolError,
+    ReplayedMessage,
+    RoundFailed,
+    UnmaskRefused,
+)
 
 __all__ = [
     "AMORTIZED_PAIR_INFO",
@@ -195,7 +202,6 @@ __all__ = [
     "RoundConfig",
     "RoundFailed",
     "SecAggClient",
-    "SecAggError",
     "ShareKeys",
     "UnmaskRefused",
     "UnmaskRequest",
@@ -253,39 +259,6 @@ _U64_MAX = (1 << 64) - 1
 _TWO64 = 1 << 64
 
 RandomBytes: TypeAlias = Callable[[int], bytes]
-
-
-# --------------------------------------------------------------------------- errors
-
-
-class SecAggError(Exception):
-    """Root of the secure-aggregation errors (see the module docstring's tree)."""
-
-
-class LocalProtocolError(SecAggError):
-    """This endpoint's caller did something the protocol forbids (e.g. a call out of order)."""
-
-
-class RemoteProtocolError(SecAggError):
-    """A peer (device or aggregator) sent something invalid; it was rejected, no state changed."""
-
-
-class ReplayedMessage(RemoteProtocolError):
-    """An exact copy of a message already accepted (a replay, or an MQTT QoS 1 duplicate)."""
-
-
-class UnmaskRefused(RemoteProtocolError):
-    """The aggregator asked this device for a share (or seed) it must not reveal.
-
-    Raised, for example, when one request asks for both the mask-key share and the
-    self-mask share of the same owner, or a second, different request follows the first.
-    The blame is remote (the request came from the aggregator); the device's state is
-    unchanged and it has revealed nothing.
-    """
-
-
-class RoundFailed(SecAggError):
-    """Too few devices remain to finish the round; the sum was not (and will not be) unmasked."""
 
 
 # --------------------------------------------------------------------------- checks

@@ -27,6 +27,7 @@ from typing import Literal
 import numpy as np
 
 from edge_sdk.engine import Engine
+from edge_sdk.errors import EdgeError
 from edge_sdk.privacy.binomial import CpsgdBinomial
 from edge_sdk.privacy.events import (
     Gaussian,
@@ -53,7 +54,7 @@ __all__ = [
 Sampling = Literal["poisson", "shuffle"]
 
 
-class TrainingDiverged(ArithmeticError):
+class TrainingDiverged(EdgeError, ArithmeticError):
     """The local round produced a non-finite update (nothing is released)."""
 
 

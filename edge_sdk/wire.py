@@ -12,9 +12,9 @@ encoding and are only wrapped (:class:`SecAggPacket`); the masked upload is cut 
 
 :func:`encode_update` and :func:`mqtt_publish_size` are the simulator's byte counts.
 
-Errors::
+Errors (the whole tree: :mod:`edge_sdk.errors`)::
 
-    secagg.RemoteProtocolError
+    errors.RemoteProtocolError
      +-- WireError          bytes from a peer that are not a valid message
 """
 
@@ -31,7 +31,7 @@ import msgpack
 import numpy as np
 
 from edge_sdk import secagg
-from edge_sdk.secagg import RemoteProtocolError
+from edge_sdk.errors import RemoteProtocolError
 
 __all__ = [
     "DEFAULT_MAX_PACKET",
@@ -201,7 +201,7 @@ class WireError(RemoteProtocolError):
     """Bytes from a peer that are not a valid message: truncated, malformed, too large,
     of an unknown kind or version, or with a field of the wrong type, size or value.
 
-    A :class:`edge_sdk.secagg.RemoteProtocolError` (the peer is to blame), so endpoints
+    A :class:`edge_sdk.errors.RemoteProtocolError` (the peer is to blame), so endpoints
     catch one type for every inbound problem.
     """
 

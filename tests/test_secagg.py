@@ -37,6 +37,7 @@ from aggregator.secure_sum import (
     run_round,
 )
 from edge_sdk import compress, secagg
+from edge_sdk.errors import EdgeError
 from edge_sdk.secagg import (
     SHAMIR_PRIME,
     AdvertiseKeys,
@@ -56,7 +57,6 @@ from edge_sdk.secagg import (
     RoundConfig,
     RoundFailed,
     SecAggClient,
-    SecAggError,
     UnmaskRefused,
     UnmaskRequest,
     amortized_pair_seed,
@@ -236,7 +236,7 @@ def test_exception_tree() -> None:
     assert issubclass(ReplayedMessage, RemoteProtocolError)
     assert issubclass(UnmaskRefused, RemoteProtocolError)
     for e in (LocalProtocolError, RemoteProtocolError, RoundFailed):
-        assert issubclass(e, SecAggError)
+        assert issubclass(e, EdgeError)  # one root for edge_sdk (edge_sdk.errors)
     assert not issubclass(RoundFailed, RemoteProtocolError)
 
 

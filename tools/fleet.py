@@ -67,6 +67,7 @@ from tools.evaluate import evaluate
 from tools.inproc import MemoryBroker
 from tools.partition import partition
 from tools.simconfig import SimConfig
+from tools.summary import model_sha256, sum_sha256
 
 __all__ = ["DROP_STAGES", "DeviceAgent", "DropoutSchedule", "Fleet", "simulate_fleet"]
 
@@ -486,8 +487,7 @@ class Fleet:
             "bytes": {k: now[k] - before[k] for k in now},
             "epsilon_local": _finite(self.eps_local),
             "epsilon_aggregate": _finite(self.eps_aggregate),
-            "sum_sha256": None if o.total is None else hashlib.sha256(
-                np.ascontiguousarray(o.total).tobytes()).hexdigest(),
+            "sum_sha256": None if o.total is None else sum_sha256(o.total),
         }
         self.rows.append(row)
         if self.cfg.progress:
@@ -594,8 +594,7 @@ class Fleet:
             "rounds_failed": len(self.rows) - len(done),
             "note": note,
             "model_version": self.machine.model_version,
-            "model_sha256": hashlib.sha256(b"".join(
-                np.ascontiguousarray(p, dtype="<f4").tobytes() for p in params)).hexdigest(),
+            "model_sha256": model_sha256(params),
             "epsilon": _finite(self.eps_local),
             "epsilon_aggregate": _finite(self.eps_aggregate),
             "epsilon_per_round": [r["epsilon_local"] for r in self.rows],

@@ -79,6 +79,7 @@ from tools.datasets import load_dataset
 from tools.evaluate import evaluate
 from tools.partition import partition
 from tools.simconfig import SimConfig
+from tools.summary import model_sha256
 
 __all__ = ["DDG_SCALE", "DdgPlan", "ddg_plan", "simulate"]
 
@@ -398,6 +399,7 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
         "device_rounds": uploads,
         "max_rounds_per_device": int(participated.max()),
         "num_params": d,
+        "model_sha256": model_sha256(params),
         "wall_seconds": time.perf_counter() - t0,
         "config": {k: (finite(v) if isinstance(v, float) else v)
                    for k, v in dataclasses.asdict(cfg).items()},
