@@ -41,7 +41,9 @@ Coordinate-set PRG (version ``fedge/randk/v1``)::
     omega  = sorted(chosen_0 .. chosen_{k-1}) as int64
 
 Each of the d!/(d-k)! ordered draws is equally likely, so omega is exactly uniform over
-the k-subsets of [0, d), and it depends on nothing but (round_seed, d, k).
+the k-subsets of [0, d), and it depends on nothing but (round_seed, d, k). The key, the
+words and the partial shuffle are ``edge_sdk.hazmat.prg``'s ``derive_key``, ``WordStream``
+and ``fisher_yates``.
 
 Packed QSGD layout (:func:`pack_quantized`), all little-endian::
 
@@ -63,15 +65,12 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from edge_sdk._validate import check_int as _check_int
+from edge_sdk.hazmat import prg
 
 __all__ = [
     "HEADER_SIZE",
@@ -103,7 +102,6 @@ HEADER_SIZE = 12
 MIN_SEED_BYTES = 16
 _MAX_S = 2**31 - 1
 _MAX_N = 2**32 - 1
-_TWO64 = 2**64
 _HEADER = np.dtype([("norm", "<f4"), ("n", "<u4"), ("s", "<u4")])
 
 
@@ -154,50 +152,6 @@ def kept_count(d: int, p: float) -> int:
     return min(d, max(1, round(p * d)))
 
 
-def _hkdf_key(round_seed: bytes) -> bytes:
-    hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=RANDK_INFO)
-    return hkdf.derive(round_seed)
-
-
-class _WordStream:
-    """Little-endian uint64 words of the ChaCha20 keystream, fetched in chunks."""
-
-    def __init__(self, key: bytes, chunk: int) -> None:
-        self._enc = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
-        self._chunk = max(1, chunk)
-        self._buf: list[int] = []
-        self._pos = 0
-
-    def __call__(self) -> int:
-        if self._pos == len(self._buf):
-            raw = self._enc.update(bytes(8 * self._chunk))
-            self._buf = np.frombuffer(raw, dtype="<u8").tolist()
-            self._pos = 0
-        w = self._buf[self._pos]
-        self._pos += 1
-        return w
-
-
-def _fisher_yates(next_word: Callable[[], int], d: int, k: int) -> list[int]:
-    """First k draws of a Fisher-Yates shuffle of range(d) driven by uint64 words.
-
-    ``next_word()`` returns uniform integers in [0, 2^64). A word below 2^64 mod n is
-    rejected, so ``w mod n`` is exactly uniform on [0, n).
-    """
-    displaced: dict[int, int] = {}
-    chosen: list[int] = []
-    for i in range(k):
-        n = d - i
-        threshold = _TWO64 % n
-        w = next_word()
-        while w < threshold:
-            w = next_word()
-        j = i + w % n
-        chosen.append(displaced.get(j, j))
-        displaced[j] = displaced.get(i, i)
-    return chosen
-
-
 def coordinate_set(round_seed: bytes, d: int, k: int) -> np.ndarray:
     """The round's rand-k coordinate set omega, derived from the round seed.
 
@@ -225,8 +179,8 @@ def coordinate_set(round_seed: bytes, d: int, k: int) -> np.ndarray:
         raise ValueError(f"round_seed must be at least {MIN_SEED_BYTES} bytes, got {len(seed)}")
     d = _check_int("d", d, 1, 2**63 - 1)
     k = _check_int("k", k, 1, d)
-    words = _WordStream(_hkdf_key(seed), chunk=k + 8)
-    return np.sort(np.asarray(_fisher_yates(words, d, k), dtype=np.int64))
+    words = prg.WordStream(prg.derive_key(seed, info=RANDK_INFO), chunk=k + 8)
+    return np.sort(np.asarray(prg.fisher_yates(words, d, k), dtype=np.int64))
 
 
 def _check_indices(idx: object, d: int) -> np.ndarray:

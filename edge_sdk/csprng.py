@@ -10,14 +10,16 @@ so the pure functions in ``edge_sdk.train``, ``compress`` and ``ddp`` take eithe
 device (:func:`secure_round_rng`, the only factory ``edge_sdk.device.Device`` uses; no
 device configuration can select another).
 
-Generator (fast-key-erasure, Bernstein 2017, on the mask PRG)::
+Generator (fast-key-erasure, Bernstein 2017, on the mask PRG's stream)::
 
     key_0   = random_bytes(32)                       (os.urandom on a device)
-    block_i = secagg.prg_expand(key_i, 4 + W)        (ChaCha20, RFC 8439, nonce 0)
+    block_i = 4 + W uint64 words of prg.keystream_into(key_i, ...)
+                                                     (ChaCha20, RFC 8439, nonce 0; the same
+                                                     words as secagg.prg_expand(key_i, 4 + W))
     key_i+1 = words 0..3 of block_i                  (the old key is overwritten)
     output  = words 4 .. 4 + W - 1 of block_i        (uniform uint64 words)
 
-It reuses ``secagg.prg_expand`` (``update_into`` into a reused buffer; no further copy of
+It reuses ``edge_sdk.hazmat.prg`` (``update_into`` into a reused buffer; no further copy of
 the keystream code). Replacing the key by the block's first words, and zeroing words once
 handed out, means a later look at the process memory does not reveal earlier output; the
 Gaussian sampler, which converts words where they lie in the block and works in reused
@@ -65,7 +67,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from edge_sdk.secagg import prg_expand
+from edge_sdk.hazmat import prg
 
 __all__ = ["Rng", "RoundRng", "SecureRng", "secure_round_rng", "seeded_round_rng"]
 
@@ -167,7 +169,7 @@ class SecureRng:
     # ------------------------------------------------------------------ words
 
     def _rekeyed(self, out: np.ndarray) -> None:
-        prg_expand(self._key, out.size, out=out)
+        prg.keystream_into(self._key, out)
         self._key = out[:_KEY_WORDS].tobytes()
         out[:_KEY_WORDS] = 0
 
@@ -194,7 +196,7 @@ class SecureRng:
             return self.words(count)
         if n & (n - 1) == 0:
             return self.words(count) & np.uint64(n - 1)
-        threshold = np.uint64(_TWO64 % n)
+        threshold = np.uint64(prg.rejection_threshold(n))
         out = np.empty(count, dtype=np.uint64)
         filled = 0
         while filled < count:

@@ -42,7 +42,7 @@ Rotation PRG (version ``fedge/ddp/rotation/v1``), shared by devices and server::
     stream = ChaCha20 (RFC 8439) keystream under key, block counter 0, nonce 0
              (cryptography's 16-byte nonce = 16 zero bytes), ceil(d'/8) bytes
     bit_i  = bit (i mod 8) of stream byte i // 8 (LSB first), for i in [0, d')
-    D_ii   = +1 if bit_i == 0 else -1
+    D_ii   = +1 if bit_i == 0 else -1      (key and stream: edge_sdk.hazmat.prg)
 
 The rotation is for utility (fewer wraps at a given bit width), not privacy: the privacy
 argument needs only the L2 bound enforced in step 4, whatever the signs.
@@ -65,12 +65,10 @@ from fractions import Fraction
 from typing import Literal, TypeAlias
 
 import numpy as np
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from edge_sdk._validate import check_int as _check_int
 from edge_sdk.errors import EdgeError
+from edge_sdk.hazmat import prg
 from edge_sdk.privacy.discrete import DistributedDiscreteGaussian, DistributedSkellam
 
 __all__ = [
@@ -260,9 +258,8 @@ class DistributedDP:
 
 @functools.lru_cache(maxsize=64)
 def _signs_cached(seed: bytes, n: int) -> np.ndarray:
-    key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=ROTATION_INFO).derive(seed)
-    enc = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
-    stream = np.frombuffer(enc.update(bytes((n + 7) // 8)), dtype=np.uint8)
+    key = prg.derive_key(seed, info=ROTATION_INFO)
+    stream = np.frombuffer(prg.keystream_bytes(key, (n + 7) // 8), dtype=np.uint8)
     bits = np.unpackbits(stream, bitorder="little")[:n]
     signs = 1.0 - 2.0 * bits.astype(np.float64)
     signs.setflags(write=False)

@@ -79,7 +79,8 @@ Mask PRG (version ``fedge/secagg/v1``), :func:`prg_expand`::
     mask  = (w_0 .. w_{n-1}) & (2^b - 1)       (all ring arithmetic in numpy uint64)
 
 The seed 0^32 gives RFC 8439 Appendix A.1 test vector #1. ChaCha20 rather than AES-CTR
-because the fleet's ARM cores (Raspberry Pi 3/4) lack AES instructions.
+because the fleet's ARM cores (Raspberry Pi 3/4) lack AES instructions. The stream, the
+HKDF below and the graph's Fisher-Yates are those of :mod:`edge_sdk.hazmat.prg`.
 
 Seed derivations (HKDF-SHA256, RFC 5869, L = 32; ``digest`` is :meth:`RoundConfig.digest`;
 ``lp(s)`` is the UTF-8 of s prefixed by its 2-byte big-endian length)::
@@ -109,10 +110,11 @@ Polynomial coefficients are uniform in GF(p) by rejection sampling.
 Neighbour graph (:func:`neighbour_graph`): a Harary graph H_{k,n} (node at position i is
 joined to positions i +- 1 .. i +- k/2 mod n, k even) over a uniformly random permutation
 of the sorted cohort, the permutation drawn by Fisher-Yates from the graph key's PRG
-words with rejection (as ``compress.coordinate_set``). k >= n - 1 gives the complete
-graph, i.e. the original SecAgg. It is a k-regular, k-connected graph; the random
-placement plays the role of the random graph of Bell et al. (an aggregator that grinds
-nonces could bias it; we assume an honest-but-curious aggregator there).
+words with rejection (``hazmat.prg.fisher_yates``, as ``compress.coordinate_set``).
+k >= n - 1 gives the complete graph, i.e. the original SecAgg. It is a k-regular,
+k-connected graph; the random placement plays the role of the random graph of Bell et al.
+(an aggregator that grinds nonces could bias it; we assume an honest-but-curious aggregator
+there).
 
 Signatures: every message is signed with the sender's long-term Ed25519 key (the
 aggregator's own messages with its key) over ``b"fedge/secagg/v1/sig" + digest +
@@ -139,7 +141,6 @@ import functools
 import hashlib
 import math
 import os
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -148,7 +149,7 @@ from typing import Any, ClassVar, TypeAlias
 import msgpack
 import numpy as np
 from cryptography.exceptions import InvalidSignature, InvalidTag
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PrivateKey,
     Ed25519PublicKey,
@@ -157,9 +158,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import (
     X25519PrivateKey,
     X25519PublicKey,
 )
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from edge_sdk._validate import check_int as _check_int
 from edge_sdk.errors import (
@@ -169,6 +168,7 @@ from edge_sdk.errors import (
     RoundFailed,
     UnmaskRefused,
 )
+from edge_sdk.hazmat import prg
 
 __all__ = [
     "AMORTIZED_PAIR_INFO",
@@ -256,7 +256,6 @@ _MAX_ID_BYTES = 128
 _MAX_COHORT = 1 << 16
 _MAX_LENGTH = 1 << 31
 _U64_MAX = (1 << 64) - 1
-_TWO64 = 1 << 64
 
 RandomBytes: TypeAlias = Callable[[int], bytes]
 
@@ -331,20 +330,8 @@ def prg_expand(seed: bytes, n_words: int, *, out: np.ndarray | None = None) -> n
     ):
         raise ValueError(f"out must be a writable contiguous uint64 array of shape ({n},)")
     if n:
-        enc = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
-        enc.update_into(_zeros(8 * n), out.view(np.uint8))
-        if sys.byteorder == "big":  # the words are little-endian by definition
-            out.byteswap(inplace=True)
+        prg.keystream_into(key, out)
     return out
-
-
-@functools.lru_cache(maxsize=4)
-def _zeros(nbytes: int) -> bytes:
-    return bytes(nbytes)
-
-
-def _hkdf(ikm: bytes, *, salt: bytes | None, info: bytes) -> bytes:
-    return HKDF(algorithm=hashes.SHA256(), length=SEED_BYTES, salt=salt, info=info).derive(ikm)
 
 
 def derive_pairwise_seed(shared_secret: bytes, *, context: bytes) -> bytes:
@@ -354,7 +341,7 @@ def derive_pairwise_seed(shared_secret: bytes, *, context: bytes) -> bytes:
     the round's :meth:`RoundConfig.digest`, so seeds never repeat across rounds.
     """
     ikm = _check_bytes("shared_secret", shared_secret, _KEY_BYTES)
-    return _hkdf(ikm, salt=_check_bytes("context", context, 32), info=PAIRWISE_INFO)
+    return prg.derive_key(ikm, salt=_check_bytes("context", context, 32), info=PAIRWISE_INFO)
 
 
 def derive_share_key(shared_secret: bytes, *, context: bytes) -> bytes:
@@ -363,7 +350,7 @@ def derive_share_key(shared_secret: bytes, *, context: bytes) -> bytes:
     ``HKDF-SHA256(ikm=shared_secret, salt=context, info=SHARE_KEY_INFO, L=32)``.
     """
     ikm = _check_bytes("shared_secret", shared_secret, _KEY_BYTES)
-    return _hkdf(ikm, salt=_check_bytes("context", context, 32), info=SHARE_KEY_INFO)
+    return prg.derive_key(ikm, salt=_check_bytes("context", context, 32), info=SHARE_KEY_INFO)
 
 
 def amortized_pair_seed(shared_secret: bytes, a: str, b: str) -> bytes:
@@ -376,7 +363,7 @@ def amortized_pair_seed(shared_secret: bytes, a: str, b: str) -> bytes:
     lo, hi = sorted((_check_id("a", a), _check_id("b", b)))
     if lo == hi:
         raise ValueError(f"a pair needs two distinct devices, got {a!r} twice")
-    return _hkdf(ikm, salt=None, info=AMORTIZED_PAIR_INFO + _lp(lo) + _lp(hi))
+    return prg.derive_key(ikm, info=AMORTIZED_PAIR_INFO + _lp(lo) + _lp(hi))
 
 
 def amortized_round_seed(pair_seed: bytes, round_id: int) -> bytes:
@@ -387,7 +374,7 @@ def amortized_round_seed(pair_seed: bytes, round_id: int) -> bytes:
     """
     seed = _check_bytes("pair_seed", pair_seed, SEED_BYTES)
     r = _check_int("round_id", round_id, 0, _U64_MAX)
-    return _hkdf(seed, salt=None, info=AMORTIZED_ROUND_INFO + r.to_bytes(8, "big"))
+    return prg.derive_key(seed, info=AMORTIZED_ROUND_INFO + r.to_bytes(8, "big"))
 
 
 def mask_sign(owner: str, peer: str) -> int:
@@ -433,25 +420,17 @@ def _apply_terms(acc: np.ndarray, terms: Iterable[tuple[int, bytes]], direction:
         if sign not in (1, -1) or isinstance(sign, bool):
             raise ValueError(f"a mask term's sign must be +1 or -1, got {sign!r}")
         key = _check_bytes("seed", seed, SEED_BYTES)
-        streams.append(
-            (
-                sign * direction > 0,
-                Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor(),
-            )
-        )
+        streams.append((sign * direction > 0, prg.Keystream(key)))
     n = acc.size
     if not n or not streams:
         return
     chunk = min(n, _CHUNK_WORDS)
     words = np.empty(chunk, dtype=np.uint64)
-    zeros = memoryview(_zeros(8 * chunk))
     for lo in range(0, n, chunk):
         m = min(chunk, n - lo)
         part, w = acc[lo : lo + m], words[:m]
-        for add, enc in streams:
-            enc.update_into(zeros[: 8 * m], w.view(np.uint8))
-            if sys.byteorder == "big":
-                w.byteswap(inplace=True)
+        for add, stream in streams:
+            stream.into(w)
             if add:
                 np.add(part, w, out=part)
             else:
@@ -690,25 +669,10 @@ def default_threshold(degree: int) -> int:
 
 
 def _permutation(seed: bytes, n: int) -> list[int]:
-    key = _hkdf(seed, salt=None, info=GRAPH_INFO)
-    count = n + 16
-    words = prg_expand(key, count).tolist()
-    pos = 0
-    perm = list(range(n))
-    for i in range(n - 1):
-        m = n - i
-        threshold = _TWO64 % m
-        while True:
-            if pos == len(words):
-                count *= 2
-                words = prg_expand(key, count).tolist()  # same stream, longer prefix
-            w = words[pos]
-            pos += 1
-            if w >= threshold:
-                break
-        j = i + w % m
-        perm[i], perm[j] = perm[j], perm[i]
-    return perm
+    """The graph's uniform permutation of range(n): Fisher-Yates on the words of
+    ``HKDF(seed, info=GRAPH_INFO)`` (module docstring; :mod:`edge_sdk.hazmat.prg`)."""
+    words = prg.WordStream(prg.derive_key(seed, info=GRAPH_INFO), chunk=n + 16)
+    return prg.fisher_yates(words, n, n)
 
 
 @functools.lru_cache(maxsize=16)

@@ -40,6 +40,7 @@ from edge_sdk.compress import (
     top_k_feedback,
     unpack_quantized,
 )
+from edge_sdk.hazmat import prg
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "compress_vectors.json").read_text())
 SEED = bytes(range(32))
@@ -161,9 +162,9 @@ def test_coordinate_set_full_and_seed_dependence() -> None:
 def test_rejection_sampling_skips_biased_words() -> None:
     # n = 3: 2^64 mod 3 = 1, so the word 0 would favour index 0 and must be rejected.
     words = iter([0, 5])
-    assert compress._fisher_yates(lambda: next(words), 3, 1) == [5 % 3]
+    assert prg.fisher_yates(lambda: next(words), 3, 1) == [5 % 3]
     words = iter([2**64 - 1])  # accepted: (2^64 - 1) mod 3 = 0
-    assert compress._fisher_yates(lambda: next(words), 3, 1) == [0]
+    assert prg.fisher_yates(lambda: next(words), 3, 1) == [0]
 
 
 def test_coordinate_set_index_frequencies_are_uniform() -> None:

@@ -1,0 +1,12 @@
+"""Dangerous primitives: keyed streams and the arithmetic under the secure-aggregation recipes.
+
+Nothing here checks a protocol's rules, binds a round or keeps a key secret for you; a wrong
+key, label or reuse breaks privacy silently. Use the recipes built on top
+(``edge_sdk.secagg``, ``edge_sdk.compress``, ``edge_sdk.ddp``, ``edge_sdk.csprng``); the name
+warns as pyca/cryptography's ``hazmat`` does.
+
+Modules: :mod:`edge_sdk.hazmat.prg` (HKDF-SHA256 key derivation and keyed ChaCha20 streams:
+bytes, uint words, rejection sampling, Fisher-Yates).
+"""
+
+__all__: list[str] = []
