@@ -31,9 +31,10 @@ no rotation (coordinates are then bounded only by that norm: :func:`choose_bits_
 sizes the ring for it).
 
 The privacy of the released sum is :func:`event`, a
-:class:`~edge_sdk.privacy.discrete.DistributedDiscreteGaussian` or
-:class:`~edge_sdk.privacy.discrete.DistributedSkellam` with sensitivities on the integer
-scale, for :mod:`edge_sdk.privacy.discrete` to account.
+:class:`~edge_sdk.privacy.events.DistributedDiscreteGaussian` or
+:class:`~edge_sdk.privacy.events.DistributedSkellam` with sensitivities on the integer
+scale, for :class:`~edge_sdk.privacy.rdp.RdpAccountant` to account (by the bounds of
+:mod:`edge_sdk.privacy.discrete`).
 
 Rotation PRG (version ``fedge/ddp/rotation/v1``), shared by devices and server::
 
@@ -69,7 +70,7 @@ import numpy as np
 from edge_sdk._validate import check_int as _check_int
 from edge_sdk.errors import EdgeError
 from edge_sdk.hazmat import prg
-from edge_sdk.privacy.discrete import DistributedDiscreteGaussian, DistributedSkellam
+from edge_sdk.privacy.events import DistributedDiscreteGaussian, DistributedSkellam
 
 __all__ = [
     "MAX_BITS",
@@ -829,8 +830,9 @@ def event(
         steps: number of such releases (rounds) to charge.
 
     Returns:
-        A :class:`~edge_sdk.privacy.discrete.DistributedDiscreteGaussian` or
-        :class:`~edge_sdk.privacy.discrete.DistributedSkellam`.
+        A :class:`~edge_sdk.privacy.events.DistributedDiscreteGaussian` or
+        :class:`~edge_sdk.privacy.events.DistributedSkellam`, stated under add/remove
+        (the default adjacency).
     """
     n = _check_int("devices", devices, 1)
     dp = padded_dim(dim)

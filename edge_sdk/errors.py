@@ -29,7 +29,10 @@ more than one module raises)::
      +-- ConditionalRoundingFailed    no rounding within the norm bound in time; also
      |                                an ArithmeticError                     (ddp)
      +-- UnsupportedLayer             a model layer outside the supported set; also a
-                                      ValueError                             (model)
+     |                                ValueError                             (model)
+     +-- UnsupportedEventError        a privacy event an accountant cannot interpret
+                                      (no theorem, or no sound restatement); also a
+                                      ValueError                   (privacy.events)
 
 The ``ValueError``/``ArithmeticError`` mixins keep callers that caught those working.
 Bad arguments to a function (a negative size, a wrong dtype) stay plain ``ValueError`` and

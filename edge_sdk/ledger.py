@@ -97,12 +97,15 @@ from typing import Any, Literal, TypeAlias
 from edge_sdk.errors import EdgeError
 from edge_sdk.privacy import (
     Composed,
+    DistributedDiscreteGaussian,
+    DistributedSkellam,
     Event,
     Gaussian,
     PldAccountant,
     PoissonSubsampledGaussian,
     RdpAccountant,
     SampledWithoutReplacementGaussian,
+    SelfComposed,
     restate,
 )
 
@@ -141,11 +144,16 @@ ADJACENCY = "zero_out"
 # under then (shuffle rounds' Gaussian(z/2) was charged as substitution).
 _LEGACY_ADJACENCY = {"Gaussian": "substitution", "PoissonSubsampledGaussian": "add_remove",
                      "SampledWithoutReplacementGaussian": "substitution"}
+# Every kind of the privacy Event union. Kinds are only ever added (the discrete ones and
+# SelfComposed in issue 15, F1), so SCHEMA_VERSION stays 1: older ledgers read unchanged.
 _EVENT_TYPES: dict[str, type] = {
     "Gaussian": Gaussian,
     "PoissonSubsampledGaussian": PoissonSubsampledGaussian,
     "SampledWithoutReplacementGaussian": SampledWithoutReplacementGaussian,
+    "DistributedDiscreteGaussian": DistributedDiscreteGaussian,
+    "DistributedSkellam": DistributedSkellam,
     "Composed": Composed,
+    "SelfComposed": SelfComposed,
 }
 _COLUMNS = ("seq", "kind", "reservation", "round_id", "model_id", "time", "event",
             "cohort_size", "secagg_threshold", "prev_hash", "hash")
@@ -337,7 +345,8 @@ def _canonical(obj: Any) -> bytes:
 
 
 def event_to_json(event: Event) -> dict[str, Any]:
-    """The event as plain data, ``{"type": class name, **fields}``, nested for Composed.
+    """The event as plain data, ``{"type": class name, **fields}``, nested for Composed
+    (``events``: a list) and SelfComposed (``event``: an object, ``count``: an int).
 
     Numbers are normalised by the field's declared type (``float`` or ``int``), so the same
     mechanism always encodes to the same canonical JSON; ``adjacency`` is a string.
@@ -350,6 +359,8 @@ def event_to_json(event: Event) -> dict[str, Any]:
         raise ValueError(f"cannot store an event of type {name}; known: {', '.join(_EVENT_TYPES)}")
     if isinstance(event, Composed):
         return {"type": name, "events": [event_to_json(e) for e in event.events]}
+    if isinstance(event, SelfComposed):
+        return {"type": name, "event": event_to_json(event.event), "count": int(event.count)}
     out: dict[str, Any] = {"type": name}
     for f in dataclasses.fields(event):
         value = getattr(event, f.name)
@@ -380,6 +391,16 @@ def event_from_json(data: Any, *, legacy: bool = False) -> Event:
         if set(data) != {"type", "events"} or not isinstance(data["events"], list):
             raise ValueError(f"a Composed event needs exactly a list 'events', got {data!r}")
         return Composed(events=tuple(event_from_json(e, legacy=legacy) for e in data["events"]))
+    if legacy and cls.__name__ not in _LEGACY_ADJACENCY:
+        raise ValueError(f"a legacy entry cannot hold a {cls.__name__} event (a kind added "
+                         f"later); known then: Composed, {', '.join(_LEGACY_ADJACENCY)}")
+    if cls is SelfComposed:
+        if (set(data) != {"type", "event", "count"} or not isinstance(data["count"], int)
+                or isinstance(data["count"], bool)):
+            raise ValueError(
+                f"a SelfComposed event needs exactly an object 'event' and an int 'count', "
+                f"got {data!r}")
+        return SelfComposed(event=event_from_json(data["event"]), count=data["count"])
     fields = {f.name: f.type for f in dataclasses.fields(cls)}
     if legacy:
         del fields["adjacency"]
@@ -444,6 +465,8 @@ def _leaves(event: Event) -> Iterator[Event]:
     if isinstance(event, Composed):
         for e in event.events:
             yield from _leaves(e)
+    elif isinstance(event, SelfComposed):
+        yield from _leaves(event.event)
     else:
         yield event
 
@@ -466,14 +489,15 @@ def epsilon_rdp(events: Sequence[Event], delta: float) -> float:
 
 def epsilon_pld(events: Sequence[Event], delta: float) -> float:
     """Epsilon (nats) at ``delta`` under zero-out adjacency, by the PLD accountant where it
-    applies (no sampling without replacement), never above the RDP answer (both are upper
-    bounds, so their minimum is one)."""
+    applies (no sampling without replacement, no discrete events), never above the RDP
+    answer (both are upper bounds, so their minimum is one)."""
     events = list(events)
     rdp = epsilon_rdp(events, delta)
-    if not events or any(isinstance(leaf, SampledWithoutReplacementGaussian)
-                         for e in events for leaf in _leaves(e)):
-        return rdp
     acc = PldAccountant(adjacency=ADJACENCY)
+    # No PLD for sampling without replacement or the discrete events: RDP alone then.
+    if not events or any(isinstance(leaf, SampledWithoutReplacementGaussian)
+                         or not acc.supports(leaf) for e in events for leaf in _leaves(e)):
+        return rdp
     for event, count in Counter(events).items():
         acc.compose(restate(event, ADJACENCY), count)
     return min(acc.get_epsilon(delta), rdp)

@@ -49,7 +49,7 @@ from edge_sdk.ddp import (
     unrotate,
     wrap_probability_bound,
 )
-from edge_sdk.privacy.discrete import (
+from edge_sdk.privacy import (
     DistributedDiscreteGaussian,
     DistributedSkellam,
     discrete_epsilon,

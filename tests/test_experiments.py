@@ -170,7 +170,7 @@ def test_pld_calibration_meets_the_target_for_the_busiest_device(tiny) -> None:
 
 
 def test_ddg_calibration_meets_the_target_for_the_busiest_device(tiny) -> None:
-    from edge_sdk.privacy.discrete import DiscreteRdpAccountant
+    from edge_sdk.privacy import RdpAccountant
     from tools.simulate import ddg_plan
 
     settings = {**expand_runs(tiny)[0].settings, "mechanism": "ddg", "local_steps": 1}
@@ -181,7 +181,7 @@ def test_ddg_calibration_meets_the_target_for_the_busiest_device(tiny) -> None:
     def eps(z: float) -> float:
         cfg = SimConfig(**{**settings, "noise_multiplier": z, "progress": False})
         plan = ddg_plan(cfg, 650)  # digits logreg: 64 x 10 + 10 parameters
-        return DiscreteRdpAccountant().compose(plan.event(rounds_max)).get_epsilon(1e-3)
+        return RdpAccountant().compose(plan.event(rounds_max)).get_epsilon(1e-3)
 
     z = facts["noise_multiplier"]
     assert eps(z) <= 1.0 < eps(0.99 * z)  # the smallest such noise, to the search's rtol

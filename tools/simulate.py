@@ -26,7 +26,7 @@ Mechanisms (``mechanism``):
   data size, and hands -lr / p times that mean gradient to the server optimizer: one
   release, one step per round. Why not tau local steps: other devices' noise provably
   covers only the released sum, so intermediate local states would each need their own
-  noise. Each device's :class:`~edge_sdk.privacy.discrete.DiscreteRdpAccountant`
+  noise. Each device's :class:`~edge_sdk.privacy.rdp.RdpAccountant` (add/remove)
   composes one distributed-discrete-Gaussian event per round it took part in.
 Uploads: the kept values (k = p*d of them), optionally quantized with s levels (QSGD,
 after the noise), counted in bytes: payload, msgpack framing and the MQTT PUBLISH header.
@@ -64,8 +64,7 @@ from edge_sdk.ddp import (
 )
 from edge_sdk.engine import load_engine
 from edge_sdk.model import build_spec, flatten_params, init_params, unflatten_params
-from edge_sdk.privacy import RdpAccountant
-from edge_sdk.privacy.discrete import DiscreteRdpAccountant, DistributedDiscreteGaussian
+from edge_sdk.privacy import DistributedDiscreteGaussian, RdpAccountant
 from edge_sdk.privacy.paper_bounds import fedpaq_epsilon_from_noise
 from edge_sdk.train import (
     local_round,
@@ -243,8 +242,9 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
     # Zero-out, the relation the device ledger states everything under: Poisson events keep
     # their add/remove numbers, without-replacement and shuffle events their substitution ones.
     adjacency = "zero_out"
-    accountants = [(DiscreteRdpAccountant() if cfg.mechanism == "ddg"
-                    else RdpAccountant(adjacency=adjacency)) for _ in range(cfg.devices)]
+    # ddg: DdgPlan.event is stated under add/remove (one sample's rounded vector).
+    accountants = [RdpAccountant(adjacency="add_remove" if cfg.mechanism == "ddg" else adjacency)
+                   for _ in range(cfg.devices)]
     participated = np.zeros(cfg.devices, dtype=np.int64)
     # binomial: per device, eps and delta summed over rounds (basic composition)
     binom_eps = np.zeros(cfg.devices)

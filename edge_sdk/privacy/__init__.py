@@ -8,9 +8,12 @@ Mechanisms are frozen data (:mod:`~edge_sdk.privacy.events`); accountants interp
 * :class:`PldAccountant` -- privacy loss distributions with pessimistic ("connect the
   dots") discretization: the tightest epsilon we report.
 * :class:`ZcdpAccountant` -- zCDP rho, Bun-Steinke and Canonne-Kamath-Steinke conversions.
-* :class:`DiscreteRdpAccountant` -- the discrete Gaussian / Skellam noise that secure
-  aggregation's distributed DP adds in the integers (Kairouz-Liu-Steinke 2021,
-  Agarwal-Kairouz-Liu 2021).
+
+One :data:`Event` union holds every mechanism, the discrete Gaussian / Skellam noise that
+secure aggregation's distributed DP adds in the integers included (Kairouz-Liu-Steinke 2021,
+Agarwal-Kairouz-Liu 2021; their RDP bounds in :mod:`edge_sdk.privacy.discrete`). Each
+accountant says which events it interprets (``supports``) and raises
+:class:`UnsupportedEventError` for the others: :class:`RdpAccountant` takes them all.
 
 :func:`calibrate_noise_multiplier` finds the smallest safe noise for a target. The papers'
 own formulas live in :mod:`edge_sdk.privacy.paper_bounds` (labelled, not re-exported here:
@@ -28,24 +31,23 @@ divided by L2 sensitivity; RDP in nats per order.
 from edge_sdk.privacy.aggregate import aggregate_event
 from edge_sdk.privacy.calibration import calibrate_noise_multiplier, epsilon_for
 from edge_sdk.privacy.discrete import (
-    DiscreteEvent,
-    DiscreteRdpAccountant,
-    DistributedDiscreteGaussian,
-    DistributedSkellam,
     ddg_tau,
-    discrete_epsilon,
     rdp_distributed_discrete_gaussian,
     rdp_distributed_skellam,
-    rdp_of,
 )
 from edge_sdk.privacy.events import (
     ADJACENCIES,
     IGNORES_NULL_RECORD,
     Composed,
+    DiscreteEvent,
+    DistributedDiscreteGaussian,
+    DistributedSkellam,
     Event,
     Gaussian,
     PoissonSubsampledGaussian,
     SampledWithoutReplacementGaussian,
+    SelfComposed,
+    UnsupportedEventError,
     adjacencies_of,
     restate,
 )
@@ -54,7 +56,9 @@ from edge_sdk.privacy.rdp import (
     DEFAULT_ORDERS,
     RdpAccountant,
     compute_rdp,
+    discrete_epsilon,
     rdp_gaussian,
+    rdp_of,
     rdp_poisson_subsampled_gaussian,
     rdp_sampled_without_replacement_gaussian,
     rdp_to_epsilon,
@@ -76,7 +80,6 @@ __all__ = [
     "Composed",
     "DiscreteEvent",
     "DiscretePld",
-    "DiscreteRdpAccountant",
     "DistributedDiscreteGaussian",
     "DistributedSkellam",
     "Event",
@@ -85,6 +88,8 @@ __all__ = [
     "PoissonSubsampledGaussian",
     "RdpAccountant",
     "SampledWithoutReplacementGaussian",
+    "SelfComposed",
+    "UnsupportedEventError",
     "ZcdpAccountant",
     "adjacencies_of",
     "aggregate_event",

@@ -1,7 +1,8 @@
-"""Numerics shared by the accountants: log-space sums and the normal CDF, numpy + math only.
+"""Numerics shared by the accountants: log-space sums, the normal CDF and the default grid of
+RDP orders, numpy + math only.
 
-Nothing here knows about privacy; these are the stable building blocks (no scipy on the
-device path).
+Nothing here knows about privacy events; these are the stable building blocks (no scipy on
+the device path).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import math
 import numpy as np
 
 __all__ = [
+    "DEFAULT_ORDERS",
     "log1pexp",
     "log_expm1",
     "log_ndtr",
@@ -19,6 +21,17 @@ __all__ = [
     "ndtr",
     "sf_normal",
 ]
+
+#: RDP orders: 1.1 to 10.95 in steps of 0.05, every integer 11..64, then a sparser
+#: integer grid up to 1024. A superset of ``dp_accounting``'s default orders. Re-exported by
+#: :mod:`edge_sdk.privacy.rdp`, which all callers use; it lives here so that
+#: :mod:`edge_sdk.privacy.discrete` (imported by rdp) can default to it.
+DEFAULT_ORDERS: tuple[float, ...] = tuple(
+    [round(1.1 + 0.05 * k, 2) for k in range(198)]
+    + [float(a) for a in range(11, 65)]
+    + [float(a) for a in (72, 80, 88, 96, 112, 128, 144, 160, 192, 224, 256, 320, 384,
+                          448, 512, 640, 768, 896, 1024)]
+)
 
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 _SQRT2 = math.sqrt(2.0)

@@ -2,16 +2,18 @@
 
 Each of ``devices`` devices adds integer noise to its integer vector of dimension ``dim``;
 secure aggregation reveals only the sum, so the sum carries ``devices`` noise shares. The
-events here are frozen data, as in :mod:`edge_sdk.privacy.events`; :func:`rdp_of` and
-:class:`DiscreteRdpAccountant` interpret them.
+events (:class:`~edge_sdk.privacy.events.DistributedDiscreteGaussian`,
+:class:`~edge_sdk.privacy.events.DistributedSkellam`) are frozen data in
+:mod:`edge_sdk.privacy.events`; this module holds their RDP bounds as pure functions, which
+:class:`~edge_sdk.privacy.rdp.RdpAccountant` and :func:`~edge_sdk.privacy.rdp.rdp_of` apply.
 
 Units: everything is on the *integer scale* (after scaling by 1/gamma and rounding, see
 :mod:`edge_sdk.ddp`). ``sigma`` and ``mu`` are *per-device* noise parameters:
 
-* :class:`DistributedDiscreteGaussian`: each device adds N_Z(0, sigma^2) per coordinate,
+* ``DistributedDiscreteGaussian``: each device adds N_Z(0, sigma^2) per coordinate,
   the discrete Gaussian with parameter sigma (variance slightly below sigma^2). The sum of
   the shares is *not* a discrete Gaussian; its variance is about ``devices * sigma^2``.
-* :class:`DistributedSkellam`: each device adds Sk(mu, mu) = Poisson(mu) - Poisson(mu) per
+* ``DistributedSkellam``: each device adds Sk(mu, mu) = Poisson(mu) - Poisson(mu) per
   coordinate (variance 2 mu). The sum is exactly Sk(n mu, n mu), variance V = 2 n mu.
 
 Sensitivities ``l1_sensitivity`` (D1) and ``l2_sensitivity`` (D2) bound ||v - v'||_1 and
@@ -57,32 +59,17 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import TypeAlias
+from collections.abc import Iterable
 
 import numpy as np
 
-from edge_sdk.privacy.events import Event
-from edge_sdk.privacy.rdp import (
-    DEFAULT_ORDERS,
-    Adjacency,
-    RdpAccountant,
-    compute_rdp,
-    rdp_to_epsilon,
-)
+from edge_sdk.privacy._math import DEFAULT_ORDERS
+from edge_sdk.privacy.events import _check_count, _check_real
 
 __all__ = [
-    "DiscreteEvent",
-    "DiscreteRdpAccountant",
-    "DistributedDiscreteGaussian",
-    "DistributedSkellam",
     "ddg_tau",
-    "discrete_epsilon",
     "rdp_distributed_discrete_gaussian",
     "rdp_distributed_skellam",
-    "rdp_of",
 ]
 
 # Below this sigma, KLS 2021 Theorem 1 does not apply; only the one-device bound is used.
@@ -92,21 +79,6 @@ _CHUNK = 4096
 
 
 # --------------------------------------------------------------------------- validation
-
-
-def _check_real(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a finite real number >= 0, got {value!r}")
-    v = float(value)
-    if not (math.isfinite(v) and v >= 0):
-        raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
-    return v
-
-
-def _check_count(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def _as_orders(orders: Iterable[float]) -> np.ndarray:
@@ -119,82 +91,6 @@ def _as_orders(orders: Iterable[float]) -> np.ndarray:
     if np.any(bad):
         raise ValueError(f"orders must be finite and > 1, got {float(arr[bad][0])!r}")
     return arr
-
-
-# ------------------------------------------------------------------------------- events
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DistributedDiscreteGaussian:
-    """Each of ``devices`` devices adds N_Z(0, sigma^2) noise to a ``dim``-vector of integers.
-
-    Kairouz, Liu, Steinke 2021 (distributed discrete Gaussian, DDGauss). Only the sum of
-    the devices' vectors is released (secure aggregation).
-
-    Attributes:
-        l2_sensitivity: D2, bound on ||v - v'||_2 on the integer scale (>= 0).
-        l1_sensitivity: D1, bound on ||v - v'||_1 on the integer scale (>= 0); for integer
-            vectors min(sqrt(dim) D2, D2^2) always holds.
-        sigma: per-device discrete Gaussian parameter, integer scale (>= 0; 0: no privacy).
-        devices: n, the number of noise shares in the released sum (>= 1). With dropouts,
-            count only the devices whose noise is certain to be in the sum.
-        dim: d, the number of noised coordinates (after padding) (>= 1).
-        steps: number of releases (>= 1).
-    """
-
-    l2_sensitivity: float
-    l1_sensitivity: float
-    sigma: float
-    devices: int
-    dim: int
-    steps: int = 1
-
-    def __post_init__(self) -> None:
-        _check_real("l2_sensitivity", self.l2_sensitivity)
-        _check_real("l1_sensitivity", self.l1_sensitivity)
-        _check_real("sigma", self.sigma)
-        _check_count("devices", self.devices)
-        _check_count("dim", self.dim)
-        _check_count("steps", self.steps)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DistributedSkellam:
-    """Each of ``devices`` devices adds Sk(mu, mu) = Poisson(mu) - Poisson(mu) per coordinate.
-
-    Agarwal, Kairouz, Liu 2021 (the Skellam mechanism). The released sum carries
-    Sk(n mu, n mu) noise, of variance 2 n mu, in every coordinate.
-
-    Attributes:
-        l1_sensitivity: D1, bound on ||v - v'||_1 on the integer scale (>= 0).
-        l2_sensitivity: D2, bound on ||v - v'||_2 on the integer scale (>= 0).
-        mu: per-device Poisson rate (each device's noise has variance 2 mu) (>= 0; 0: no
-            privacy).
-        devices: n, the number of noise shares in the released sum (>= 1).
-        steps: number of releases (>= 1).
-    """
-
-    l1_sensitivity: float
-    l2_sensitivity: float
-    mu: float
-    devices: int
-    steps: int = 1
-
-    def __post_init__(self) -> None:
-        _check_real("l1_sensitivity", self.l1_sensitivity)
-        _check_real("l2_sensitivity", self.l2_sensitivity)
-        _check_real("mu", self.mu)
-        _check_count("devices", self.devices)
-        _check_count("steps", self.steps)
-
-    @property
-    def variance(self) -> float:
-        """V = 2 n mu, the variance of the summed noise per coordinate."""
-        return 2.0 * self.devices * self.mu
-
-
-DiscreteEvent: TypeAlias = DistributedDiscreteGaussian | DistributedSkellam
-_DISCRETE_TYPES = (DistributedDiscreteGaussian, DistributedSkellam)
 
 
 # ---------------------------------------------------------------- distributed Gaussian
@@ -327,99 +223,3 @@ def rdp_distributed_skellam(
     lead = a * l2 * l2 / (2.0 * v)
     corr = np.minimum(((2.0 * a - 1.0) * l2 * l2 + 6.0 * l1) / (4.0 * v * v), 3.0 * l1 / (2.0 * v))
     return lead + corr
-
-
-# ---------------------------------------------------------------------- interpretation
-
-
-def rdp_of(
-    event: DiscreteEvent | Event,
-    orders: Iterable[float] = DEFAULT_ORDERS,
-    *,
-    adjacency: Adjacency = "add_remove",
-) -> np.ndarray:
-    """RDP of an event at each order, ``steps`` releases composed.
-
-    Discrete events are interpreted here; any other event is passed to
-    :func:`edge_sdk.privacy.rdp.compute_rdp` with ``adjacency``.
-
-    Args:
-        event: a :class:`DistributedDiscreteGaussian`, :class:`DistributedSkellam`, or an
-            event of :mod:`edge_sdk.privacy.events`.
-        orders: RDP orders a > 1.
-        adjacency: passed on for non-discrete events. Discrete events hold under the
-            adjacency their sensitivities are stated for.
-
-    Returns:
-        RDP in nats, one value per order (inf where there is no guarantee).
-    """
-    a = _as_orders(orders)
-    if isinstance(event, DistributedDiscreteGaussian):
-        r = rdp_distributed_discrete_gaussian(
-            event.l2_sensitivity,
-            event.l1_sensitivity,
-            event.sigma,
-            event.devices,
-            event.dim,
-            a,
-        )
-    elif isinstance(event, DistributedSkellam):
-        r = rdp_distributed_skellam(
-            event.l1_sensitivity, event.l2_sensitivity, event.mu, event.devices, a
-        )
-    else:
-        return compute_rdp(event, a, adjacency=adjacency)
-    with np.errstate(invalid="ignore"):  # steps >= 1, so inf * steps is inf, never nan
-        return event.steps * r
-
-
-def discrete_epsilon(
-    event: DiscreteEvent, delta: float, orders: Sequence[float] = DEFAULT_ORDERS
-) -> float:
-    """Epsilon at ``delta`` of one discrete event, by :func:`~edge_sdk.privacy.rdp.rdp_to_epsilon`.
-
-    Args:
-        event: the event (its ``steps`` releases composed).
-        delta: target delta in [0, 1].
-        orders: RDP orders a > 1.
-
-    Returns:
-        epsilon in nats (inf when there is no noise).
-    """
-    a = _as_orders(orders)
-    return rdp_to_epsilon(rdp_of(event, a), a, delta)[0]
-
-
-class DiscreteRdpAccountant(RdpAccountant):
-    """An :class:`~edge_sdk.privacy.rdp.RdpAccountant` that also takes discrete events.
-
-    :class:`DistributedDiscreteGaussian` and :class:`DistributedSkellam` events are
-    accounted by :func:`rdp_of`; every other event goes to the base accountant (and so
-    must suit its adjacency). Check-then-commit: the increment is computed in full before
-    the total changes.
-
-    Example:
-        >>> acc = DiscreteRdpAccountant().compose(DistributedSkellam(
-        ...     l1_sensitivity=1e4, l2_sensitivity=100.0, mu=5e3, devices=10), count=10)
-        >>> round(acc.get_epsilon(1e-5), 2)
-        4.75
-    """
-
-    __slots__ = ()
-
-    def compose(self, event: DiscreteEvent | Event, count: int = 1) -> DiscreteRdpAccountant:
-        """Add ``count`` runs of ``event``; returns self. Nothing changes if it raises.
-
-        Raises:
-            ValueError: bad ``count`` or an event unsupported under this adjacency.
-        """
-        if not isinstance(event, _DISCRETE_TYPES):
-            super().compose(event, count)
-            return self
-        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
-            raise ValueError(f"count must be an integer >= 0, got {count!r}")
-        increment = rdp_of(event, self._orders)
-        if count:
-            with np.errstate(invalid="ignore"):
-                self._rdp = self._rdp + count * increment
-        return self

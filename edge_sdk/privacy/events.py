@@ -22,7 +22,15 @@ under, in its ``adjacency`` field, one of
 Which events may carry which: :class:`Gaussian` any of the three (z relative to the
 sensitivity under it); :class:`PoissonSubsampledGaussian` add/remove or zero-out;
 :class:`SampledWithoutReplacementGaussian` substitution or zero-out (z relative to the
-substitution sensitivity, 2C for a sum of per-sample gradients clipped to C).
+substitution sensitivity, 2C for a sum of per-sample gradients clipped to C);
+:class:`DistributedDiscreteGaussian` and :class:`DistributedSkellam` any of the three (their
+sensitivities are stated by whoever builds them, for the relation they name; the record is
+a device in :func:`edge_sdk.ddp.event`, a sample in the simulator's ``ddg`` plan: each
+producer's docstring says which). Their RDP bounds are in :mod:`edge_sdk.privacy.discrete`.
+:class:`Composed` and :class:`SelfComposed` carry no adjacency: their leaves do.
+
+Accountants say which events they interpret (``supports(event)``) and raise
+:class:`UnsupportedEventError` for any other, before any state changes.
 
 :func:`restate` turns an event into one whose numbers hold under another adjacency, or
 raises; accountants compose only events restated to their own adjacency. Its rules:
@@ -39,8 +47,10 @@ raises; accountants compose only events restated to their own adjacency. Its rul
 3. add/remove or zero-out -> substitution, for :class:`Gaussian` only: by the triangle
    inequality through D without the record (or with the null record) the substitution
    sensitivity is at most twice the other, so z becomes z / 2.
-4. Anything else (zero-out or substitution -> add/remove; a subsampled event -> substitution)
-   has no general sound conversion: ValueError.
+4. Anything else (zero-out or substitution -> add/remove; a subsampled event -> substitution;
+   a discrete event -> substitution, or add/remove -> zero-out: a device that is the null
+   record still adds its noise share, one that is absent does not) has no general sound
+   conversion: :class:`UnsupportedEventError`.
 """
 
 from __future__ import annotations
@@ -50,21 +60,34 @@ import numbers
 from dataclasses import dataclass, replace
 from typing import Literal, TypeAlias
 
+from edge_sdk.errors import EdgeError
+
 __all__ = [
     "ADJACENCIES",
     "IGNORES_NULL_RECORD",
     "Adjacency",
     "Composed",
+    "DiscreteEvent",
+    "DistributedDiscreteGaussian",
+    "DistributedSkellam",
     "Event",
     "Gaussian",
     "PoissonSubsampledGaussian",
     "SampledWithoutReplacementGaussian",
+    "SelfComposed",
+    "UnsupportedEventError",
     "adjacencies_of",
     "restate",
 ]
 
 Adjacency: TypeAlias = Literal["add_remove", "substitution", "zero_out"]
 ADJACENCIES: tuple[Adjacency, ...] = ("add_remove", "substitution", "zero_out")
+
+
+class UnsupportedEventError(EdgeError, ValueError):
+    """An accountant cannot interpret this privacy event: an event type it has no theorem
+    for, or one stated under an adjacency with no sound restatement under its own. Also a
+    ValueError, as these were before accountants said which events they support."""
 
 
 def _check_noise_multiplier(z: object) -> None:
@@ -79,11 +102,21 @@ def _check_adjacency(cls: str, value: object, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{cls}.adjacency must be one of {', '.join(allowed)}, got {value!r}")
 
 
-def _check_count(name: str, value: object, minimum: int) -> None:
+def _check_count(name: str, value: object, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _check_real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a finite real number >= 0, got {value!r}")
+    v = float(value)
+    if not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+    return v
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -179,6 +212,110 @@ class SampledWithoutReplacementGaussian:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class DistributedDiscreteGaussian:
+    """Each of ``devices`` devices adds N_Z(0, sigma^2) noise to a ``dim``-vector of integers.
+
+    Kairouz, Liu, Steinke 2021 (distributed discrete Gaussian, DDGauss). Only the sum of
+    the devices' vectors is released (secure aggregation). Units: the integer scale of
+    :mod:`edge_sdk.ddp`; ``sigma`` is per device. RDP:
+    :func:`edge_sdk.privacy.discrete.rdp_distributed_discrete_gaussian`.
+
+    Attributes:
+        l2_sensitivity: D2, bound on ||v - v'||_2 on the integer scale (>= 0).
+        l1_sensitivity: D1, bound on ||v - v'||_1 on the integer scale (>= 0); for integer
+            vectors min(sqrt(dim) D2, D2^2) always holds.
+        sigma: per-device discrete Gaussian parameter, integer scale (>= 0; 0: no privacy).
+        devices: n, the number of noise shares in the released sum (>= 1). With dropouts,
+            count only the devices whose noise is certain to be in the sum.
+        dim: d, the number of noised coordinates (after padding) (>= 1).
+        steps: number of releases (>= 1).
+        adjacency: the neighbouring relation D2 and D1 are stated for (default add/remove,
+            as every producer states them today).
+    """
+
+    l2_sensitivity: float
+    l1_sensitivity: float
+    sigma: float
+    devices: int
+    dim: int
+    steps: int = 1
+    adjacency: Adjacency = "add_remove"
+
+    def __post_init__(self) -> None:
+        _check_real("l2_sensitivity", self.l2_sensitivity)
+        _check_real("l1_sensitivity", self.l1_sensitivity)
+        _check_real("sigma", self.sigma)
+        _check_count("devices", self.devices)
+        _check_count("dim", self.dim)
+        _check_count("steps", self.steps)
+        _check_adjacency("DistributedDiscreteGaussian", self.adjacency, ADJACENCIES)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DistributedSkellam:
+    """Each of ``devices`` devices adds Sk(mu, mu) = Poisson(mu) - Poisson(mu) per coordinate.
+
+    Agarwal, Kairouz, Liu 2021 (the Skellam mechanism). The released sum carries
+    Sk(n mu, n mu) noise, of variance 2 n mu, in every coordinate. Units: the integer
+    scale; ``mu`` is per device. RDP: :func:`edge_sdk.privacy.discrete.rdp_distributed_skellam`.
+
+    Attributes:
+        l1_sensitivity: D1, bound on ||v - v'||_1 on the integer scale (>= 0).
+        l2_sensitivity: D2, bound on ||v - v'||_2 on the integer scale (>= 0).
+        mu: per-device Poisson rate (each device's noise has variance 2 mu) (>= 0; 0: no
+            privacy).
+        devices: n, the number of noise shares in the released sum (>= 1).
+        steps: number of releases (>= 1).
+        adjacency: the neighbouring relation D1 and D2 are stated for (default add/remove,
+            as every producer states them today).
+    """
+
+    l1_sensitivity: float
+    l2_sensitivity: float
+    mu: float
+    devices: int
+    steps: int = 1
+    adjacency: Adjacency = "add_remove"
+
+    def __post_init__(self) -> None:
+        _check_real("l1_sensitivity", self.l1_sensitivity)
+        _check_real("l2_sensitivity", self.l2_sensitivity)
+        _check_real("mu", self.mu)
+        _check_count("devices", self.devices)
+        _check_count("steps", self.steps)
+        _check_adjacency("DistributedSkellam", self.adjacency, ADJACENCIES)
+
+    @property
+    def variance(self) -> float:
+        """V = 2 n mu, the variance of the summed noise per coordinate."""
+        return 2.0 * self.devices * self.mu
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SelfComposed:
+    """One event run ``count`` times in a row (``dp_accounting``'s ``SelfComposedDpEvent``).
+
+    Means exactly ``Composed(events=(event,) * count)``; accountants multiply instead of
+    repeating.
+
+    Attributes:
+        event: the event repeated; any event of the union, nested ones included.
+        count: how many times it runs (>= 1).
+    """
+
+    event: Event
+    count: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.event, _EVENT_TYPES):
+            raise ValueError(
+                f"event must be one of {', '.join(t.__name__ for t in _EVENT_TYPES)}, "
+                f"got {self.event!r}"
+            )
+        _check_count("count", self.count, 1)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Composed:
     """Several events run one after another (adaptive composition).
 
@@ -204,10 +341,14 @@ class Composed:
                 )
 
 
+DiscreteEvent: TypeAlias = DistributedDiscreteGaussian | DistributedSkellam
+
 Event: TypeAlias = (
-    Gaussian | PoissonSubsampledGaussian | SampledWithoutReplacementGaussian | Composed
+    Gaussian | PoissonSubsampledGaussian | SampledWithoutReplacementGaussian
+    | DistributedDiscreteGaussian | DistributedSkellam | Composed | SelfComposed
 )
-_EVENT_TYPES = (Gaussian, PoissonSubsampledGaussian, SampledWithoutReplacementGaussian, Composed)
+_EVENT_TYPES = (Gaussian, PoissonSubsampledGaussian, SampledWithoutReplacementGaussian,
+                DistributedDiscreteGaussian, DistributedSkellam, Composed, SelfComposed)
 
 #: Event types whose mechanism ignores a null record (rule 2 of the module docstring):
 #: their add/remove bounds hold for zero-out pairs unchanged.
@@ -220,15 +361,18 @@ def restate(event: Event, adjacency: Adjacency) -> Event:
     Pure: returns a new event (or the same one when nothing changes).
 
     Raises:
-        ValueError: no sound conversion exists (names the event and both relations), or
-            ``adjacency`` is not one of :data:`ADJACENCIES`.
+        UnsupportedEventError: no sound conversion exists (names the event and both
+            relations), or ``event`` is not an event.
+        ValueError: ``adjacency`` is not one of :data:`ADJACENCIES`.
     """
     if adjacency not in ADJACENCIES:
         raise ValueError(f"adjacency must be one of {', '.join(ADJACENCIES)}, got {adjacency!r}")
     if isinstance(event, Composed):
         return Composed(events=tuple(restate(e, adjacency) for e in event.events))
+    if isinstance(event, SelfComposed):
+        return SelfComposed(event=restate(event.event, adjacency), count=event.count)
     if not isinstance(event, _EVENT_TYPES):
-        raise ValueError(f"unsupported privacy event {event!r}")
+        raise UnsupportedEventError(f"unsupported privacy event {event!r}")
     have = event.adjacency
     if have == adjacency:
         return event
@@ -239,7 +383,7 @@ def restate(event: Event, adjacency: Adjacency) -> Event:
     if adjacency == "substitution" and isinstance(event, Gaussian):
         return Gaussian(noise_multiplier=event.noise_multiplier / 2, steps=event.steps,
                         adjacency="substitution")
-    raise ValueError(
+    raise UnsupportedEventError(
         f"{type(event).__name__} stated under {have} adjacency has no sound restatement under "
         f"{adjacency} adjacency (only substitution -> zero-out, add/remove -> zero-out for "
         "null-ignoring mechanisms, and Gaussian -> substitution at z/2)"
@@ -250,4 +394,6 @@ def adjacencies_of(event: Event) -> frozenset[str]:
     """The adjacencies the leaves of ``event`` are stated under."""
     if isinstance(event, Composed):
         return frozenset().union(*(adjacencies_of(e) for e in event.events))
+    if isinstance(event, SelfComposed):
+        return adjacencies_of(event.event)
     return frozenset({event.adjacency})

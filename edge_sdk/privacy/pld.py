@@ -34,12 +34,15 @@ import numpy as np
 
 from edge_sdk.privacy._math import ndtr, sf_normal
 from edge_sdk.privacy.events import (
+    _EVENT_TYPES,
     Adjacency,
     Composed,
     Event,
     Gaussian,
     PoissonSubsampledGaussian,
     SampledWithoutReplacementGaussian,
+    SelfComposed,
+    UnsupportedEventError,
     restate,
 )
 
@@ -427,6 +430,8 @@ def _leaves(event: Event, count: int, out: dict[tuple[float, float], int]) -> No
     if isinstance(event, Composed):
         for e in event.events:
             _leaves(e, count, out)
+    elif isinstance(event, SelfComposed):
+        _leaves(event.event, count * event.count, out)
     elif isinstance(event, Gaussian):
         key = (float(event.noise_multiplier), 1.0)
         out[key] = out.get(key, 0) + count * event.steps
@@ -434,12 +439,24 @@ def _leaves(event: Event, count: int, out: dict[tuple[float, float], int]) -> No
         key = (float(event.noise_multiplier), float(event.sample_rate))
         out[key] = out.get(key, 0) + count * event.steps
     elif isinstance(event, SampledWithoutReplacementGaussian):
-        raise ValueError(
+        raise UnsupportedEventError(
             "SampledWithoutReplacementGaussian (substitution adjacency) is not supported by "
             "the PLD accountant (add/remove); use RdpAccountant(adjacency='substitution')"
         )
-    else:
-        raise ValueError(f"unsupported privacy event {event!r}")
+    else:  # the discrete events: no PLD here; RdpAccountant takes them
+        raise UnsupportedEventError(f"unsupported privacy event {event!r}")
+
+
+def _counts_of(event: object, count: int, adjacency: Adjacency) -> dict[tuple[float, float], int]:
+    """{(z, q): runs} of ``count`` runs of ``event`` restated under ``adjacency``; pure, so a
+    rejected event changes nothing. Raises UnsupportedEventError."""
+    if not isinstance(event, _EVENT_TYPES):
+        raise UnsupportedEventError(f"unsupported privacy event {event!r}")
+    if not isinstance(event, SampledWithoutReplacementGaussian):
+        event = restate(event, adjacency)
+    found: dict[tuple[float, float], int] = {}
+    _leaves(event, count, found)
+    return found
 
 
 def _loss_std(z: float, q: float) -> float:
@@ -504,17 +521,26 @@ class PldAccountant:
             f"events={len(self._counts)})"
         )
 
+    def supports(self, event: object) -> bool:
+        """Whether :meth:`compose` takes ``event``: Gaussian and Poisson-subsampled Gaussian
+        leaves (in Composed / SelfComposed too) that restate under this adjacency; not
+        sampling without replacement, not the discrete events."""
+        try:
+            _counts_of(event, 1, self._adjacency)
+        except UnsupportedEventError:
+            return False
+        return True
+
     def compose(self, event: Event, count: int = 1) -> PldAccountant:
-        """Add ``count`` runs of ``event``; returns self. Nothing changes if it raises."""
+        """Add ``count`` runs of ``event``; returns self. Nothing changes if it raises.
+
+        Raises:
+            UnsupportedEventError: :meth:`supports` is False.
+            ValueError: bad ``count``.
+        """
         if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
             raise ValueError(f"count must be an integer >= 0, got {count!r}")
-        found: dict[tuple[float, float], int] = {}
-        if not isinstance(event, Composed | Gaussian | PoissonSubsampledGaussian
-                          | SampledWithoutReplacementGaussian):
-            raise ValueError(f"unsupported privacy event {event!r}")
-        if not isinstance(event, SampledWithoutReplacementGaussian):
-            event = restate(event, self._adjacency)
-        _leaves(event, int(count), found)
+        found = _counts_of(event, int(count), self._adjacency)
         for key, n in found.items():
             if n:
                 self._counts[key] = self._counts.get(key, 0) + n

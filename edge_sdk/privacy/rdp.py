@@ -32,15 +32,21 @@ from typing import NamedTuple
 
 import numpy as np
 
-from edge_sdk.privacy._math import log1pexp, log_expm1, log_ndtr, logsumexp
+from edge_sdk.privacy._math import DEFAULT_ORDERS, log1pexp, log_expm1, log_ndtr, logsumexp
+from edge_sdk.privacy.discrete import rdp_distributed_discrete_gaussian, rdp_distributed_skellam
 from edge_sdk.privacy.events import (
+    _EVENT_TYPES,
     ADJACENCIES,
     Adjacency,
     Composed,
+    DistributedDiscreteGaussian,
+    DistributedSkellam,
     Event,
     Gaussian,
     PoissonSubsampledGaussian,
     SampledWithoutReplacementGaussian,
+    SelfComposed,
+    UnsupportedEventError,
     restate,
 )
 
@@ -49,21 +55,14 @@ __all__ = [
     "Adjacency",
     "RdpAccountant",
     "compute_rdp",
+    "discrete_epsilon",
     "rdp_gaussian",
+    "rdp_of",
     "rdp_poisson_subsampled_gaussian",
     "rdp_sampled_without_replacement_gaussian",
     "rdp_to_epsilon",
     "rdp_to_epsilon_classic",
 ]
-
-#: RDP orders: 1.1 to 10.95 in steps of 0.05, every integer 11..64, then a sparser
-#: integer grid up to 1024. A superset of ``dp_accounting``'s default orders.
-DEFAULT_ORDERS: tuple[float, ...] = tuple(
-    [round(1.1 + 0.05 * k, 2) for k in range(198)]
-    + [float(a) for a in range(11, 65)]
-    + [float(a) for a in (72, 80, 88, 96, 112, 128, 144, 160, 192, 224, 256, 320, 384,
-                          448, 512, 640, 768, 896, 1024)]
-)
 
 # Fractional-order series: stop once a term in the alternating tail is below this
 # fraction of the partial sum (the true value is then bracketed by the last two partial
@@ -581,10 +580,10 @@ def _wor_rdp(q: float, z: float, a: np.ndarray) -> np.ndarray:
 
 def _check_event(event: object, adjacency: Adjacency) -> Event:
     """``event`` restated under ``adjacency`` (:func:`~edge_sdk.privacy.events.restate`), or
-    ValueError if it cannot be accounted under it (no effects)."""
-    if not isinstance(event, Composed | Gaussian | PoissonSubsampledGaussian
-                      | SampledWithoutReplacementGaussian):
-        raise ValueError(f"unsupported privacy event {event!r}")
+    UnsupportedEventError if it cannot be accounted under it (no effects). Every event of
+    the union has an RDP bound here."""
+    if not isinstance(event, _EVENT_TYPES):
+        raise UnsupportedEventError(f"unsupported privacy event {event!r}")
     return restate(event, adjacency)
 
 
@@ -594,6 +593,17 @@ def _rdp_of(event: Event, orders: np.ndarray) -> np.ndarray:
         for e in event.events:
             total = total + _rdp_of(e, orders)
         return total
+    if isinstance(event, SelfComposed):
+        return event.count * _rdp_of(event.event, orders)
+    if isinstance(event, DistributedDiscreteGaussian):
+        # KLS 2021 Thm 1 / Prop. 14, the bound of edge_sdk.privacy.discrete.
+        return event.steps * rdp_distributed_discrete_gaussian(
+            event.l2_sensitivity, event.l1_sensitivity, event.sigma, event.devices,
+            event.dim, orders)
+    if isinstance(event, DistributedSkellam):
+        # Agarwal, Kairouz, Liu 2021 Thm 3.5, the bound of edge_sdk.privacy.discrete.
+        return event.steps * rdp_distributed_skellam(
+            event.l1_sensitivity, event.l2_sensitivity, event.mu, event.devices, orders)
     if isinstance(event, Gaussian):
         return event.steps * rdp_gaussian(event.noise_multiplier, orders)
     # ``orders`` is validated once, by the caller; the events validated themselves.
@@ -605,7 +615,7 @@ def _rdp_of(event: Event, orders: np.ndarray) -> np.ndarray:
         return event.steps * _wor_rdp(
             _check_q(event.sample_rate), _check_z(event.noise_multiplier), orders
         )
-    raise ValueError(f"unsupported privacy event {event!r}")  # pragma: no cover
+    raise UnsupportedEventError(f"unsupported privacy event {event!r}")  # pragma: no cover
 
 
 def compute_rdp(
@@ -626,11 +636,60 @@ def compute_rdp(
         RDP in nats, one value per order (inf where there is no guarantee).
 
     Raises:
-        ValueError: an event that has no RDP bound under ``adjacency``.
+        UnsupportedEventError: an event that has no RDP bound under ``adjacency``.
+        ValueError: bad ``orders`` or ``adjacency``.
     """
     if adjacency not in ADJACENCIES:
         raise ValueError(f"adjacency must be one of {', '.join(ADJACENCIES)}, got {adjacency!r}")
     return _compute_rdp(event, _as_orders(orders), adjacency)
+
+
+def rdp_of(
+    event: Event,
+    orders: Iterable[float] = DEFAULT_ORDERS,
+    *,
+    adjacency: Adjacency | None = None,
+) -> np.ndarray:
+    """:func:`compute_rdp`, under the event's own adjacency by default for a discrete event.
+
+    Args:
+        event: any event of the union.
+        orders: RDP orders a > 1.
+        adjacency: the relation to state the RDP under; None (default) means the event's
+            own for a :class:`~edge_sdk.privacy.events.DistributedDiscreteGaussian` or
+            :class:`~edge_sdk.privacy.events.DistributedSkellam` (their sensitivities are
+            stated for it), and ``"add_remove"`` for any other event.
+
+    Returns:
+        RDP in nats, one value per order (inf where there is no guarantee).
+
+    Raises:
+        UnsupportedEventError: no sound restatement under ``adjacency``.
+    """
+    if adjacency is None:
+        discrete = isinstance(event, DistributedDiscreteGaussian | DistributedSkellam)
+        adjacency = event.adjacency if discrete else "add_remove"  # type: ignore[union-attr]
+    return compute_rdp(event, orders, adjacency=adjacency)
+
+
+def discrete_epsilon(
+    event: DistributedDiscreteGaussian | DistributedSkellam,
+    delta: float,
+    orders: Sequence[float] = DEFAULT_ORDERS,
+) -> float:
+    """Epsilon at ``delta`` of one discrete event under its own adjacency, by
+    :func:`rdp_to_epsilon` of :func:`rdp_of`.
+
+    Args:
+        event: the event (its ``steps`` releases composed).
+        delta: target delta in [0, 1].
+        orders: RDP orders a > 1.
+
+    Returns:
+        epsilon in nats (inf when there is no noise).
+    """
+    a = _as_orders(orders)
+    return rdp_to_epsilon(rdp_of(event, a), a, delta)[0]
 
 
 def _compute_rdp(event: Event, orders: np.ndarray, adjacency: Adjacency) -> np.ndarray:
@@ -723,6 +782,10 @@ def rdp_to_epsilon_classic(
 class RdpAccountant:
     """Accumulates the RDP of composed events and reports (eps, delta).
 
+    Takes every event of :data:`~edge_sdk.privacy.events.Event`: the Gaussian family by the
+    bounds above, the distributed discrete Gaussian and Skellam by those of
+    :mod:`edge_sdk.privacy.discrete`, each restated under this accountant's adjacency.
+
     Composition is check-then-commit: an event is validated and its RDP computed in full
     before the running total changes, so a rejected event leaves the accountant as it was.
 
@@ -738,6 +801,13 @@ class RdpAccountant:
         ...     PoissonSubsampledGaussian(noise_multiplier=1.1, sample_rate=0.01, steps=1000))
         >>> round(acc.get_epsilon(1e-5), 2)
         1.71
+
+        Discrete events (distributed DP under secure aggregation) compose the same way:
+
+        >>> acc = RdpAccountant().compose(DistributedSkellam(
+        ...     l1_sensitivity=1e4, l2_sensitivity=100.0, mu=5e3, devices=10), count=10)
+        >>> round(acc.get_epsilon(1e-5), 2)
+        4.75
     """
 
     __slots__ = ("_adjacency", "_orders", "_rdp")
@@ -777,11 +847,22 @@ class RdpAccountant:
         """The adjacency relation the guarantees are stated for."""
         return self._adjacency
 
+    def supports(self, event: object) -> bool:
+        """Whether :meth:`compose` takes ``event``: any event of the union, discrete ones
+        included, that restates soundly under this accountant's adjacency."""
+        try:
+            _check_event(event, self._adjacency)
+        except UnsupportedEventError:
+            return False
+        return True
+
     def compose(self, event: Event, count: int = 1) -> RdpAccountant:
         """Add ``count`` runs of ``event``; returns self. Nothing changes if it raises.
 
         Raises:
-            ValueError: bad ``count`` or an event unsupported under this adjacency.
+            UnsupportedEventError: an event unsupported under this adjacency
+                (:meth:`supports` is False).
+            ValueError: bad ``count``.
         """
         if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
             raise ValueError(f"count must be an integer >= 0, got {count!r}")

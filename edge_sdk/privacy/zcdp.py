@@ -23,6 +23,7 @@ from typing import Literal
 import numpy as np
 
 from edge_sdk.privacy.events import (
+    _EVENT_TYPES,
     ADJACENCIES,
     Adjacency,
     Composed,
@@ -30,6 +31,8 @@ from edge_sdk.privacy.events import (
     Gaussian,
     PoissonSubsampledGaussian,
     SampledWithoutReplacementGaussian,
+    SelfComposed,
+    UnsupportedEventError,
     restate,
 )
 
@@ -86,13 +89,16 @@ def compute_rho(event: Event) -> float:
     """zCDP rho of an event (no subsampling amplification is claimed).
 
     Raises:
-        ValueError: an unsupported event.
+        UnsupportedEventError: an unsupported event (the discrete ones: no zCDP theorem is
+            applied to them here; RdpAccountant takes them).
     """
     if isinstance(event, Composed):
         return math.fsum(compute_rho(e) for e in event.events)
+    if isinstance(event, SelfComposed):
+        return event.count * compute_rho(event.event)
     if isinstance(event, Gaussian | PoissonSubsampledGaussian | SampledWithoutReplacementGaussian):
         return gaussian_rho(event.noise_multiplier, event.steps)
-    raise ValueError(f"unsupported privacy event {event!r}")
+    raise UnsupportedEventError(f"unsupported privacy event {event!r}")
 
 
 def rho_to_epsilon_bun_steinke(rho: float, delta: float) -> float:
@@ -197,14 +203,31 @@ class ZcdpAccountant:
         """The accumulated rho."""
         return self._rho
 
+    def _rho_of(self, event: object) -> float:
+        """rho of one run of ``event`` restated under this adjacency (pure)."""
+        if not isinstance(event, _EVENT_TYPES):
+            raise UnsupportedEventError(f"unsupported privacy event {event!r}")
+        return compute_rho(restate(event, self._adjacency))
+
+    def supports(self, event: object) -> bool:
+        """Whether :meth:`compose` takes ``event``: the Gaussian family (in Composed /
+        SelfComposed too) restated under this adjacency; not the discrete events."""
+        try:
+            self._rho_of(event)
+        except UnsupportedEventError:
+            return False
+        return True
+
     def compose(self, event: Event, count: int = 1) -> ZcdpAccountant:
-        """Add ``count`` runs of ``event``; returns self. Nothing changes if it raises."""
+        """Add ``count`` runs of ``event``; returns self. Nothing changes if it raises.
+
+        Raises:
+            UnsupportedEventError: :meth:`supports` is False.
+            ValueError: bad ``count``.
+        """
         if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
             raise ValueError(f"count must be an integer >= 0, got {count!r}")
-        if isinstance(event, Composed | Gaussian | PoissonSubsampledGaussian
-                      | SampledWithoutReplacementGaussian):
-            event = restate(event, self._adjacency)
-        increment = compute_rho(event)
+        increment = self._rho_of(event)
         if count:
             self._rho = self._rho + count * increment
         return self

@@ -20,17 +20,24 @@ from scipy import stats
 from scipy.special import logsumexp
 
 from edge_sdk.privacy.discrete import (
-    DiscreteRdpAccountant,
-    DistributedDiscreteGaussian,
-    DistributedSkellam,
     ddg_tau,
-    discrete_epsilon,
     rdp_distributed_discrete_gaussian,
     rdp_distributed_skellam,
-    rdp_of,
 )
-from edge_sdk.privacy.events import Gaussian, PoissonSubsampledGaussian
-from edge_sdk.privacy.rdp import DEFAULT_ORDERS, RdpAccountant, rdp_to_epsilon
+from edge_sdk.privacy.events import (
+    DistributedDiscreteGaussian,
+    DistributedSkellam,
+    Gaussian,
+    PoissonSubsampledGaussian,
+    UnsupportedEventError,
+)
+from edge_sdk.privacy.rdp import (
+    DEFAULT_ORDERS,
+    RdpAccountant,
+    discrete_epsilon,
+    rdp_of,
+    rdp_to_epsilon,
+)
 
 FAST_ORDERS = (1.1, 1.5, 2.0, 2.5, 3.0, 5.0, 8.0, 16.0, 32.0, 64.0, 256.0)
 INT_ORDERS = tuple(a for a in DEFAULT_ORDERS if float(a).is_integer())
@@ -296,18 +303,23 @@ def test_accountant_composes_discrete_and_gaussian_events() -> None:
     )
     sk = DistributedSkellam(l1_sensitivity=300.0, l2_sensitivity=30.0, mu=40.0, devices=20)
     g = Gaussian(noise_multiplier=3.0)
-    acc = DiscreteRdpAccountant().compose(ddg).compose(sk, count=3).compose(g)
+    acc = RdpAccountant().compose(ddg).compose(sk, count=3).compose(g)
     orders = np.array(DEFAULT_ORDERS)
     total = rdp_of(ddg) + 3 * rdp_of(sk) + rdp_of(g)
     np.testing.assert_allclose(acc.rdp, total, rtol=1e-14)
     assert acc.get_epsilon(1e-5) == rdp_to_epsilon(total, orders, 1e-5)[0]
-    assert isinstance(acc, RdpAccountant)
 
 
 def test_accountant_check_then_commit() -> None:
-    ev = DistributedSkellam(l1_sensitivity=10.0, l2_sensitivity=3.0, mu=5.0, devices=4)
-    acc = DiscreteRdpAccountant(adjacency="substitution").compose(ev)
+    # Since F1 the accountant checks a discrete event's adjacency: this one is stated under
+    # substitution, as the accountant is; the add/remove one below is refused (rule 4).
+    ev = DistributedSkellam(l1_sensitivity=10.0, l2_sensitivity=3.0, mu=5.0, devices=4,
+                            adjacency="substitution")
+    acc = RdpAccountant(adjacency="substitution").compose(ev)
     before = acc.rdp
+    with pytest.raises(UnsupportedEventError, match="DistributedSkellam stated under add_remove"):
+        acc.compose(DistributedSkellam(l1_sensitivity=10.0, l2_sensitivity=3.0, mu=5.0,
+                                       devices=4))
     with pytest.raises(ValueError, match="count must be an integer >= 0, got -1"):
         acc.compose(ev, count=-1)
     with pytest.raises(ValueError, match="add/remove"):

@@ -153,7 +153,7 @@ def _ddg_noise(settings: dict[str, Any], target: float, delta: float, rounds: in
     """Smallest z whose distributed-discrete-Gaussian epsilon over ``rounds`` rounds of one
     device (the simulator's :func:`~tools.simulate.ddg_plan` event, composed) is <= target."""
     from edge_sdk.model import build_spec
-    from edge_sdk.privacy.discrete import discrete_epsilon
+    from edge_sdk.privacy import discrete_epsilon
     from tools.datasets import load_dataset
     from tools.simconfig import SimConfig
     from tools.simulate import ddg_plan
