@@ -2,19 +2,19 @@
 analyses depend on shared modules (tools.simconfig, tools.evaluate, tools.experiments.spec),
 never on each other, and each of those modules imports alone in a fresh interpreter.
 
-The static check counts every import, at top level, inside a function or under
-``TYPE_CHECKING``, as the package-wide architecture test does.
+The static checks read the graph of ``tests/test_architecture.py`` (every import, at top
+level, inside a function or under ``TYPE_CHECKING``), which also checks that no package
+has a cycle.
 """
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from test_architecture import _graph
 
 from tools.run import run
 from tools.simconfig import SimConfig
@@ -29,95 +29,20 @@ MODULES = sorted(SHARED | PATHS | {"tools.run", "tools.cli", "tools.experiments"
                                    "tools.experiments.spec", "tools.experiments.analyses"})
 
 
-def _modules(package: str) -> dict[str, Path]:
-    """Dotted module name -> file, for every .py under ``package`` (relative to ROOT)."""
-    out = {}
-    for path in sorted((ROOT / package).rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        out[".".join(parts)] = path
-    return out
+def _tools_graph() -> dict[str, set[str]]:
+    """The architecture test's module graph (every import, lazy and TYPE_CHECKING ones
+    included); that test also checks there is no cycle anywhere."""
+    return _graph("module")
 
 
-def _import_graph(package: str) -> dict[str, set[str]]:
-    """Module -> the modules of ``package`` it imports anywhere in its source."""
-    mods = _modules(package)
-
-    def resolve(name: str) -> str | None:  # the longest prefix that is a module of ours
-        parts = name.split(".")
-        for i in range(len(parts), 0, -1):
-            if ".".join(parts[:i]) in mods:
-                return ".".join(parts[:i])
-        return None
-
-    graph: dict[str, set[str]] = defaultdict(set)
-    for mod, path in mods.items():
-        pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            targets: list[str | None] = []
-            if isinstance(node, ast.Import):
-                targets = [resolve(a.name) for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
-                    base = ".".join(up + ([node.module] if node.module else []))
-                targets = [resolve(f"{base}.{a.name}") or resolve(base) for a in node.names]
-            graph[mod].update(t for t in targets if t is not None and t != mod)
-    return graph
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components with more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                found.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
-
-
-def test_the_scan_sees_a_cycle() -> None:
-    """The checker itself: a two-module cycle and a lazy-import edge are found."""
-    assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
-    graph = _import_graph("tools")
+def test_the_scan_sees_plain_and_lazy_imports() -> None:
+    graph = _tools_graph()
     assert "tools.simconfig" in graph["tools.fleet"]  # a plain import
     assert "tools.run" in graph["tools.cli"]  # imported inside a function
 
 
-def test_tools_has_no_import_cycle() -> None:
-    graph = _import_graph("tools")
-    assert _cycles(graph) == []
-
-
 def test_the_paths_and_the_runner_depend_on_shared_modules_only() -> None:
-    graph = _import_graph("tools")
+    graph = _tools_graph()
     assert "tools.fleet" not in graph["tools.simulate"]
     assert "tools.simulate" not in graph["tools.fleet"]
     for mod in SHARED:
