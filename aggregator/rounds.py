@@ -79,6 +79,7 @@ from edge_sdk.errors import (
     ReplayedMessage,
     RoundFailed,
 )
+from edge_sdk.fixedpoint import FixedPoint
 from edge_sdk.secagg import AggregatorIdentity, Registry
 from edge_sdk.wire import (
     CheckIn,
@@ -216,7 +217,7 @@ class RoundPolicy:
             min_survivors=s)
         if problem:
             raise ValueError(problem)
-        compress.FixedPoint(scale=self.fixed_point_scale(), bits=self.bits).check_no_wrap(
+        FixedPoint(scale=self.fixed_point_scale(), bits=self.bits).check_no_wrap(
             self.value_bound, self.cohort_size)
 
     def config_degree(self, n: int) -> int:
@@ -745,7 +746,7 @@ class RoundMachine:
             return self._fail(now, str(e))
         survivors = r.server.survivors
         plan = r.plan
-        fp = compress.FixedPoint(scale=plan.scale, bits=plan.bits)
+        fp = FixedPoint(scale=plan.scale, bits=plan.bits)
         mean = fp.decode(total, len(survivors)) / len(survivors)
         d = self.dimension
         dense = np.zeros(d, dtype=np.float64)

@@ -52,6 +52,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
 from edge_sdk import compress
+from edge_sdk.hazmat.ring import Ring
 from edge_sdk.secagg import (
     SHAMIR_PRIME,
     AdvertiseKeys,
@@ -80,7 +81,6 @@ from edge_sdk.secagg import (
     mask_sign,
     share_from_bytes,
     unmask,
-    unpack_residues,
 )
 
 __all__ = [
@@ -186,7 +186,7 @@ class _Base:
                 f"the round wants {self._cfg.length} of {self._cfg.bits}"
             )
         try:
-            return unpack_residues(msg.payload_bytes, msg.bits, msg.count)
+            return Ring(bits=msg.bits).unpack(msg.payload_bytes, msg.count)
         except ValueError as e:
             raise RemoteProtocolError(f"masked_input from {msg.sender!r}: {e}") from None
 

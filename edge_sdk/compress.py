@@ -1,10 +1,10 @@
-"""Upload compression for constrained uplinks: rand-k, QSGD, bit packing, fixed point.
+"""Upload compression for constrained uplinks: rand-k, QSGD, bit packing.
 
 Pure functions over numpy arrays; every random choice takes an injected
 ``numpy.random.Generator``, except the rand-k coordinate set, which is derived from the
 round seed with a keyed PRG so that the whole cohort (and the aggregator) computes the
 same set bit for bit without sending it. This module is shared with the aggregator: the
-coordinate-set PRG, the packed layout and the fixed-point ring are wire formats, pinned
+coordinate-set PRG and the packed layout are wire formats, pinned
 by the golden vectors in ``tests/golden/compress_vectors.json``.
 
 Pieces, with the equation each implements:
@@ -17,8 +17,6 @@ Pieces, with the equation each implements:
   after the DP noise as in its Alg. 2 line 9.
 * :func:`pack_quantized`, :func:`unpack_quantized`, :func:`packed_size`: sign and level
   jointly coded in ceil(log2(2s+1)) bits per coordinate (FedPAQ, text after eq. (20)).
-* :class:`FixedPoint`: stochastic-rounding integer encoding into Z_{2^bits} for secure
-  aggregation, with an up-front no-wrap check.
 * :func:`binomial_noise`: the binomial mechanism of cpSGD (Agarwal et al. 2018), the
   baseline Fed-SPA compares against.
 * :class:`TopK`, :func:`top_k_feedback`: top-k with error feedback, for non-private runs
@@ -75,7 +73,6 @@ from edge_sdk.hazmat import prg
 __all__ = [
     "HEADER_SIZE",
     "RANDK_INFO",
-    "FixedPoint",
     "Quantized",
     "TopK",
     "binomial_noise",
@@ -490,140 +487,6 @@ def unpack_quantized(data: bytes | bytearray | memoryview, n: int, s: int) -> Qu
         raise ValueError(f"symbol {int(sym[bad])} at coordinate {bad} exceeds 2s = {2 * s}")
     signed = sym - s
     return Quantized(norm=norm, signs=signed < 0, levels=np.abs(signed), s=s)
-
-
-# --------------------------------------------------------------------------- fixed point
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FixedPoint:
-    """Fixed-point encoding of reals into the ring Z_{2^bits} for secure aggregation.
-
-    ``encode`` maps x to ``round_stoch(x * scale) mod 2^bits`` (two's complement), with
-    stochastic rounding so that ``E[decode(encode(x))] = x``; the masked sum of a
-    cohort's encodings, reduced mod 2^bits, decodes (centered) to the sum of the values
-    within ``count / scale`` per coordinate, provided the sum cannot wrap:
-    :meth:`check_no_wrap` verifies that up front.
-
-    Attributes:
-        scale: encoding steps per unit, > 0 (resolution 1/scale).
-        bits: ring size exponent, 2 <= bits <= 64 (the modulus is 2^bits).
-    """
-
-    scale: float
-    bits: int
-
-    def __post_init__(self) -> None:
-        if isinstance(self.scale, bool) or not isinstance(self.scale, numbers.Real):
-            raise ValueError(f"scale must be a real number > 0, got {self.scale!r}")
-        if not (math.isfinite(self.scale) and self.scale > 0):
-            raise ValueError(f"scale must be finite and > 0, got {self.scale!r}")
-        _check_int("bits", self.bits, 2, 64)
-
-    @property
-    def modulus(self) -> int:
-        """2^bits."""
-        return 1 << self.bits
-
-    def _mask(self) -> np.uint64:
-        return np.uint64((1 << self.bits) - 1)
-
-    def _max_int(self) -> int:
-        # Largest |integer| one encoding may hold: the signed range, and float64's exact
-        # integers (so the stochastic rounding of x * scale is exact).
-        return min((1 << (self.bits - 1)) - 1, 1 << 53)
-
-    def encode(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """Encode x as uint64 residues mod 2^bits.
-
-        Args:
-            x: finite real array (any shape).
-            rng: randomness of the stochastic rounding.
-
-        Returns:
-            uint64 array shaped like x, each entry in [0, 2^bits).
-
-        Raises:
-            ValueError: non-finite x, or ``|x| * scale`` beyond the signed range of bits
-                (or beyond 2^53).
-        """
-        y = np.asarray(x, dtype=np.float64)
-        if not np.isfinite(y).all():
-            bad = np.flatnonzero(~np.isfinite(y.reshape(-1)))[0]
-            raise ValueError(f"x must be finite, got {y.reshape(-1)[bad]!r} at flat index {bad}")
-        y = y * self.scale
-        lim = self._max_int()
-        if y.size and np.abs(y).max() > lim:
-            raise ValueError(
-                f"|x| * scale must be <= {lim} to fit {self.bits} bits, got "
-                f"{float(np.abs(y).max())!r} (scale {self.scale})"
-            )
-        low = np.floor(y)
-        v = (low + (rng.random(y.shape) < (y - low))).astype(np.int64)
-        return v.view(np.uint64) & self._mask()
-
-    def decode(self, sum_mod: np.ndarray, count: int) -> np.ndarray:
-        """Decode a sum of ``count`` encodings: centered residue divided by scale.
-
-        The residue r = sum_mod mod 2^bits is read as r - 2^bits when r >= 2^(bits-1).
-        Sums may be taken in uint64 (which wraps mod 2^64, a multiple of 2^bits).
-
-        Args:
-            sum_mod: integer array, the (modular) sum of the encodings.
-            count: how many encodings were summed (>= 1). The result is their sum, not
-                their mean; it is within ``count / scale`` of the sum of the values.
-
-        Returns:
-            float64 array shaped like sum_mod.
-        """
-        _check_int("count", count, 1)
-        a = np.asarray(sum_mod)
-        if a.dtype.kind not in "iu":
-            raise ValueError(f"sum_mod must be an integer array, got dtype {a.dtype}")
-        r = a.astype(np.uint64) & self._mask()
-        shift = np.uint64(64 - self.bits)
-        signed = (r << shift).view(np.int64) >> np.int64(shift)
-        return signed.astype(np.float64) / self.scale
-
-    def check_no_wrap(self, max_abs_value: float, cohort_size: int) -> int:
-        """Raise unless a cohort's sum of encodings of ``|x| <= max_abs_value`` fits.
-
-        Needs ``value_bits + ceil(log2(cohort_size)) + 1 <= bits`` where value_bits is
-        the bit length of ``ceil(max_abs_value * scale)`` (the largest rounded magnitude)
-        and the 1 is the sign: then ``|sum| < 2^(bits-1)`` and centered decoding is exact.
-
-        Args:
-            max_abs_value: bound on every coordinate's |x| (after clipping and noise).
-            cohort_size: number of encodings summed, >= 1.
-
-        Returns:
-            The number of bits needed (<= bits).
-
-        Raises:
-            ValueError: naming the value bits, cohort bits and bits when they do not fit.
-        """
-        if isinstance(max_abs_value, bool) or not isinstance(max_abs_value, numbers.Real):
-            raise ValueError(f"max_abs_value must be a real number >= 0, got {max_abs_value!r}")
-        if not (math.isfinite(max_abs_value) and max_abs_value >= 0):
-            raise ValueError(f"max_abs_value must be finite and >= 0, got {max_abs_value!r}")
-        cohort = _check_int("cohort_size", cohort_size, 1)
-        max_int = math.ceil(max_abs_value * self.scale)
-        if max_int > 1 << 53:
-            raise ValueError(
-                f"max_abs_value * scale = {max_abs_value * self.scale!r} exceeds "
-                f"2^53, beyond exact float64 integers"
-            )
-        value_bits = max_int.bit_length()
-        cohort_bits = (cohort - 1).bit_length()
-        need = value_bits + cohort_bits + 1
-        if need > self.bits:
-            raise ValueError(
-                f"fixed-point sum may wrap: |x| <= {max_abs_value} at scale {self.scale} "
-                f"needs {value_bits} value bits, a cohort of {cohort} adds "
-                f"ceil(log2({cohort})) = {cohort_bits}, plus 1 sign bit = {need} > "
-                f"bits = {self.bits}; lower the scale or the clip bound, or raise bits"
-            )
-        return need
 
 
 # --------------------------------------------------------------------------- cpSGD

@@ -70,6 +70,7 @@ import numpy as np
 from edge_sdk._validate import check_int as _check_int
 from edge_sdk.errors import EdgeError
 from edge_sdk.hazmat import prg
+from edge_sdk.hazmat.ring import Ring
 from edge_sdk.privacy.events import DistributedDiscreteGaussian, DistributedSkellam
 
 __all__ = [
@@ -79,7 +80,6 @@ __all__ = [
     "ConditionalRoundingFailed",
     "DistributedDP",
     "NoiseKind",
-    "centered_residue",
     "bounded_wrap_probability",
     "choose_bits",
     "choose_bits_bounded",
@@ -753,25 +753,6 @@ def encode_device(
     return (r + z).view(np.uint64) & np.uint64(cfg.modulus - 1)
 
 
-def centered_residue(values: np.ndarray, bits: int) -> np.ndarray:
-    """The representative of each value mod 2^bits in [-2^(bits-1), 2^(bits-1)), as int64.
-
-    Args:
-        values: integer array (uint64 sums wrap mod 2^64, which 2^bits divides).
-        bits: 1 <= bits <= 64.
-
-    Returns:
-        int64 array shaped like values.
-    """
-    b = _check_int("bits", bits, 1, 64)
-    a = np.asarray(values)
-    if a.dtype.kind not in "iu":
-        raise ValueError(f"values must be an integer array, got dtype {a.dtype}")
-    shift = np.uint64(64 - b)
-    r = a.astype(np.uint64) << shift
-    return r.view(np.int64) >> np.int64(shift)
-
-
 def decode_sum(
     sum_mod: np.ndarray, cfg: DistributedDP, round_seed: bytes, d: int, devices: int
 ) -> np.ndarray:
@@ -808,7 +789,7 @@ def decode_sum(
             f"sum_mod must be (d',) or (rows, d') with d' = padded_dim({d}) = {dp}, "
             f"got shape {a.shape}"
         )
-    signed = centered_residue(a, cfg.bits)
+    signed = Ring(bits=cfg.bits).to_signed(a)
     return unrotate(signed.astype(np.float64) * cfg.gamma, round_seed, d)
 
 

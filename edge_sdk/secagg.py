@@ -169,6 +169,7 @@ from edge_sdk.errors import (
     UnmaskRefused,
 )
 from edge_sdk.hazmat import prg
+from edge_sdk.hazmat.ring import Ring
 
 __all__ = [
     "AMORTIZED_PAIR_INFO",
@@ -218,13 +219,11 @@ __all__ = [
     "mask",
     "mask_sign",
     "neighbour_graph",
-    "pack_residues",
     "prg_expand",
     "share_from_bytes",
     "share_to_bytes",
     "split_secret",
     "unmask",
-    "unpack_residues",
 ]
 
 PROTOCOL_VERSION = 2
@@ -391,20 +390,6 @@ def mask_sign(owner: str, peer: str) -> int:
     return 1 if owner < peer else -1
 
 
-def _ring_mask(bits: int) -> np.uint64:
-    return np.uint64((1 << bits) - 1)
-
-
-def _check_residues(name: str, x: object, bits: int) -> np.ndarray:
-    a = np.asarray(x)
-    if a.ndim != 1 or a.dtype.kind not in "iu":
-        raise ValueError(f"{name} must be a 1-D integer array, got dtype {a.dtype} shape {a.shape}")
-    if a.size and (int(a.min()) < 0 or int(a.max()) >> bits):
-        bad = next(i for i, v in enumerate(a.tolist()) if v < 0 or v >> bits)
-        raise ValueError(f"{name} must hold residues in [0, 2^{bits}), got {a[bad]} at {bad}")
-    return a.astype(np.uint64, copy=True)
-
-
 _CHUNK_WORDS = 1 << 15
 
 
@@ -452,9 +437,9 @@ def mask(x: np.ndarray, *, bits: int, terms: Iterable[tuple[int, bytes]]) -> np.
         New uint64 array of residues in [0, 2^bits).
     """
     b = _check_int("bits", bits, 1, 64)
-    acc = _check_residues("x", x, b)
+    acc = Ring(bits=b).check_residues(x, name="x")
     _apply_terms(acc, terms, +1)
-    acc &= _ring_mask(b)
+    acc &= Ring(bits=b).mask
     return acc
 
 
@@ -475,55 +460,10 @@ def unmask(y: np.ndarray, *, bits: int, terms: Iterable[tuple[int, bytes]]) -> n
         New uint64 array of residues in [0, 2^bits).
     """
     b = _check_int("bits", bits, 1, 64)
-    acc = _check_residues("y", y, 64)  # a uint64 sum of residues: reduced below
+    acc = Ring(bits=64).check_residues(y, name="y")  # a uint64 sum of residues: reduced below
     _apply_terms(acc, terms, -1)
-    acc &= _ring_mask(b)
+    acc &= Ring(bits=b).mask
     return acc
-
-
-def pack_residues(values: np.ndarray, bits: int) -> bytes:
-    """Pack residues in [0, 2^bits) into ``ceil(n * bits / 8)`` bytes.
-
-    One LSB-first bit stream: bit m of value i is stream bit ``i * bits + m``, stream bit j
-    is bit ``j mod 8`` of byte ``j // 8``; padding bits are zero. For bits a multiple of 8
-    this is the little-endian byte image of each value, truncated to bits / 8 bytes.
-    """
-    b = _check_int("bits", bits, 1, 64)
-    v = _check_residues("values", values, b)
-    if b in (8, 16, 32, 64):
-        return v.astype(f"<u{b // 8}").tobytes()
-    as_bytes = v.astype("<u8").view(np.uint8).reshape(-1, 8)
-    if b % 8 == 0:
-        return as_bytes[:, : b // 8].tobytes()
-    bitmat = np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :b]
-    return np.packbits(bitmat.reshape(-1), bitorder="little").tobytes()
-
-
-def unpack_residues(data: bytes, bits: int, count: int) -> np.ndarray:
-    """Inverse of :func:`pack_residues`; rejects any other length and non-zero padding.
-
-    Raises:
-        ValueError: wrong length or non-zero padding bits.
-    """
-    b = _check_int("bits", bits, 1, 64)
-    n = _check_int("count", count, 0, _MAX_LENGTH)
-    raw = bytes(data)
-    want = (n * b + 7) // 8
-    if len(raw) != want:
-        raise ValueError(f"{n} residues of {b} bits take {want} bytes, got {len(raw)}")
-    if b in (8, 16, 32, 64):
-        return np.frombuffer(raw, dtype=f"<u{b // 8}").astype(np.uint64)
-    buf = np.frombuffer(raw, dtype=np.uint8)
-    if b % 8 == 0:
-        full = np.zeros((n, 8), dtype=np.uint8)
-        full[:, : b // 8] = buf.reshape(n, b // 8)
-        return full.view("<u8").reshape(n).astype(np.uint64)
-    bits_arr = np.unpackbits(buf, bitorder="little")
-    if bits_arr[n * b :].any():
-        raise ValueError(f"padding bits after {n} residues of {b} bits must be zero")
-    bitmat = np.zeros((n, 64), dtype=np.uint8)
-    bitmat[:, :b] = bits_arr[: n * b].reshape(n, b)
-    return np.packbits(bitmat, axis=1, bitorder="little").view("<u8").reshape(n).astype(np.uint64)
 
 
 # --------------------------------------------------------------------------- Shamir
@@ -1381,7 +1321,7 @@ class ForwardedShares(_Message):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MaskedInput(_Message):
     """Device -> aggregator: the masked vector y_u, ``count`` residues packed at ``bits``
-    (:func:`pack_residues`): exactly ``ceil(count * bits / 8)`` payload bytes."""
+    (:meth:`edge_sdk.hazmat.ring.Ring.pack`): exactly ``ceil(count * bits / 8)`` payload bytes."""
 
     KIND: ClassVar[str] = "masked_input"
     round_id: int
@@ -1876,7 +1816,7 @@ class SecAggClient:
                 sender=self.device,
                 bits=self._cfg.bits,
                 count=self._cfg.length,
-                payload_bytes=pack_residues(y, self._cfg.bits),
+                payload_bytes=Ring(bits=self._cfg.bits).pack(y),
             ),
             self._id,
             self._digest,
@@ -1954,7 +1894,7 @@ def _select(x: object, coordinates: object, config: RoundConfig) -> np.ndarray:
         raise ValueError(
             f"x must be 1-D with config.length = {config.length} values, got shape {a.shape}"
         )
-    return _check_residues("x", a, config.bits)
+    return Ring(bits=config.bits).check_residues(a, name="x")
 
 
 # --------------------------------------------------------------------------- amortized
@@ -2074,7 +2014,7 @@ class AmortizedSecAggClient:
                 sender=self.device,
                 bits=self._cfg.bits,
                 count=self._cfg.length,
-                payload_bytes=pack_residues(y, self._cfg.bits),
+                payload_bytes=Ring(bits=self._cfg.bits).pack(y),
             ),
             self._id,
             self._digest,

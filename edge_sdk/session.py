@@ -75,6 +75,7 @@ import numpy as np
 from edge_sdk import compress, secagg, wire
 from edge_sdk.csprng import RoundRng
 from edge_sdk.engine import Engine
+from edge_sdk.fixedpoint import FixedPoint
 from edge_sdk.ledger import BudgetExhausted, Ledger, LedgerError, Plan, Reservation
 from edge_sdk.model import ModelSpec, flatten_params
 from edge_sdk.privacy.aggregate import aggregate_event
@@ -353,7 +354,7 @@ class DeviceSession:
                                   clip=plan.clip, noise_multiplier=plan.noise_multiplier,
                                   sampling=plan.sampling,  # type: ignore[arg-type]
                                   sparsity=plan.sparsity)
-            compress.FixedPoint(scale=plan.scale, bits=plan.bits).check_no_wrap(
+            FixedPoint(scale=plan.scale, bits=plan.bits).check_no_wrap(
                 plan.value_bound, len(plan.cohort))
         except ValueError as e:
             raise RemoteProtocolError(f"round {plan.round_id}'s plan: {e}") from None
@@ -399,7 +400,7 @@ class DeviceSession:
         if plan.quant_levels:
             values = compress.dequantize(compress.quantize(values, plan.quant_levels, rng))
         values = np.clip(values, -plan.value_bound, plan.value_bound)
-        residues = compress.FixedPoint(scale=plan.scale, bits=plan.bits).encode(values, rng)
+        residues = FixedPoint(scale=plan.scale, bits=plan.bits).encode(values, rng)
         client = SecAggClient(identity=self._idn, registry=self._reg,
                               config=plan.round_config(), random_bytes=self._random)
         out = self._send_secagg(client.advertise())

@@ -482,7 +482,7 @@ class RoundPlan(_Wire):
         sparsity: rand-k kept fraction p (1: dense); round_seed: the 32-byte seed of the
             round's coordinate set (``compress.coordinate_set``).
         quant_levels: QSGD levels s applied to the kept values before encoding (0: none).
-        scale, value_bound, bits: fixed-point encoding (``compress.FixedPoint``); each value
+        scale, value_bound, bits: fixed-point encoding (``fixedpoint.FixedPoint``); each value
             is clamped to [-value_bound, value_bound] first so the cohort's sum cannot wrap.
         length: values summed by secure aggregation (k = kept_count(d, p)).
         nonce, degree, threshold: the rest of ``secagg.RoundConfig``.

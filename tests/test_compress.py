@@ -23,7 +23,6 @@ from hypothesis.extra import numpy as hnp
 from edge_sdk import compress
 from edge_sdk.compress import (
     HEADER_SIZE,
-    FixedPoint,
     Quantized,
     TopK,
     binomial_noise,
@@ -40,6 +39,7 @@ from edge_sdk.compress import (
     top_k_feedback,
     unpack_quantized,
 )
+from edge_sdk.fixedpoint import FixedPoint
 from edge_sdk.hazmat import prg
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "compress_vectors.json").read_text())

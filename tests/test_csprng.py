@@ -21,6 +21,7 @@ from edge_sdk import compress, csprng, ddp
 from edge_sdk.config import ConfigError
 from edge_sdk.csprng import SecureRng, secure_round_rng, seeded_round_rng
 from edge_sdk.device import DeviceConfig
+from edge_sdk.fixedpoint import FixedPoint
 from edge_sdk.session import DeviceSession
 from edge_sdk.train import LocalTraining, local_round
 
@@ -309,7 +310,7 @@ def test_device_mechanisms_run_on_the_secure_generator(rng) -> None:
     r = _rng("mech")
     q = compress.quantize(rng.normal(size=200), 4, r)
     assert q.levels.shape == (200,)
-    fp = compress.FixedPoint(scale=2.0**10, bits=32)
+    fp = FixedPoint(scale=2.0**10, bits=32)
     assert fp.encode(rng.normal(size=50), r).dtype == np.uint64
     assert compress.binomial_noise(30, 64, r).shape == (30,)
     assert compress.rand_k(rng.normal(size=40), 0.25, r).shape == (40,)

@@ -30,7 +30,6 @@ from edge_sdk import ddp
 from edge_sdk.ddp import (
     ConditionalRoundingFailed,
     DistributedDP,
-    centered_residue,
     choose_bits,
     conditional_round,
     decode_sum,
@@ -49,6 +48,7 @@ from edge_sdk.ddp import (
     unrotate,
     wrap_probability_bound,
 )
+from edge_sdk.hazmat.ring import Ring
 from edge_sdk.privacy import (
     DistributedDiscreteGaussian,
     DistributedSkellam,
@@ -320,7 +320,7 @@ def _trials(cfg: DistributedDP, x: np.ndarray, seed: int) -> tuple[np.ndarray, n
     enc = encode_device(np.tile(x, (TRIALS, 1)), cfg, SEED, np.random.default_rng(seed))
     assert enc.dtype == np.uint64 and int(enc.max()) < cfg.modulus
     sums = enc.reshape(TRIALS, N_DEV, -1).sum(axis=1)
-    return decode_sum(sums, cfg, SEED, DIM, N_DEV), centered_residue(sums, cfg.bits)
+    return decode_sum(sums, cfg, SEED, DIM, N_DEV), Ring(bits=cfg.bits).to_signed(sums)
 
 
 def _predicted_cov(cfg: DistributedDP, x: np.ndarray) -> np.ndarray:
@@ -408,9 +408,10 @@ def test_centered_decode_is_exact_without_wrap(bits: int, data: st.DataObject) -
     parts = data.draw(st.lists(st.integers(-(1 << 62), 1 << 62), min_size=1, max_size=5))
     parts.append(total - sum(parts))
     residues = np.array([p % (1 << bits) for p in parts], dtype=np.uint64)
-    assert int(centered_residue(residues.sum(keepdims=True), bits)[0]) == total
+    assert int(Ring(bits=bits).to_signed(residues.sum(keepdims=True))[0]) == total
     wrapped = total + data.draw(st.sampled_from([-1, 1])) * (1 << bits)
-    assert int(centered_residue(np.array([wrapped % (1 << 64)], dtype=np.uint64), bits)[0]) == total
+    wrapped_u64 = np.array([wrapped % (1 << 64)], dtype=np.uint64)
+    assert int(Ring(bits=bits).to_signed(wrapped_u64)[0]) == total
 
 
 def test_too_few_bits_wrap_by_multiples_of_the_modulus() -> None:
@@ -439,7 +440,7 @@ def test_encode_decode_single_device_and_zero_noise() -> None:
     cfg = DistributedDP(clip=2.0, gamma=1e-3, noise="discrete_gaussian", sigma=0.0, bits=40)
     enc = encode_device(x, cfg, SEED, rng)
     assert enc.shape == (128,) and enc.dtype == np.uint64
-    ints = centered_residue(enc, cfg.bits)
+    ints = Ring(bits=cfg.bits).to_signed(enc)
     ev = event(cfg, 1, 100)
     assert float(np.linalg.norm(ints)) <= ev.l2_sensitivity
     assert float(np.abs(ints).sum()) <= ev.l1_sensitivity

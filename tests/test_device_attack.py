@@ -32,10 +32,11 @@ import numpy as np
 import pytest
 
 from aggregator.rounds import RoundMachine, RoundPolicy
-from edge_sdk import compress, wire
+from edge_sdk import wire
 from edge_sdk.config import load_aggregator_identity, load_registry, resolve_manifest
 from edge_sdk.device import Device, DeviceConfig
 from edge_sdk.engine import load_engine, load_manifest
+from edge_sdk.fixedpoint import FixedPoint
 from edge_sdk.model import flatten_params, init_params
 from edge_sdk.train import LocalTraining, local_round
 from models import ONNX_DIR
@@ -98,7 +99,7 @@ def round_done(tmp_path_factory) -> dict:
 
 
 def _decode(plan, residues: np.ndarray) -> np.ndarray:
-    return compress.FixedPoint(scale=plan.scale, bits=plan.bits).decode(residues, 1)
+    return FixedPoint(scale=plan.scale, bits=plan.bits).decode(residues, 1)
 
 
 def _attacker_views(r: dict, name: str) -> tuple[np.ndarray, dict[int, np.ndarray], float]:
@@ -118,7 +119,7 @@ def _attacker_views(r: dict, name: str) -> tuple[np.ndarray, dict[int, np.ndarra
                           LocalTraining(noise_multiplier=plan.noise_multiplier, **cfg), rng)
         values = np.clip(flatten_params(res.update).astype(np.float64), -plan.value_bound,
                          plan.value_bound)
-        fp = compress.FixedPoint(scale=plan.scale, bits=plan.bits)
+        fp = FixedPoint(scale=plan.scale, bits=plan.bits)
         replays[seed] = upload - fp.decode(fp.encode(values, rng), 1)
     sigma = plan.lr * plan.noise_multiplier * plan.clip / len(y)  # one step, denominator m
     return upload - u0, replays, sigma

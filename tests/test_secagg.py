@@ -38,6 +38,8 @@ from aggregator.secure_sum import (
 )
 from edge_sdk import compress, secagg
 from edge_sdk.errors import EdgeError
+from edge_sdk.fixedpoint import FixedPoint
+from edge_sdk.hazmat.ring import Ring
 from edge_sdk.secagg import (
     SHAMIR_PRIME,
     AdvertiseKeys,
@@ -71,13 +73,11 @@ from edge_sdk.secagg import (
     mask,
     mask_sign,
     neighbour_graph,
-    pack_residues,
     prg_expand,
     share_from_bytes,
     share_to_bytes,
     split_secret,
     unmask,
-    unpack_residues,
 )
 
 GOLDEN_PATH = Path(__file__).parent / "golden" / "secagg_vectors.json"
@@ -372,17 +372,17 @@ def test_pack_roundtrip_and_size(bits: int, data: st.DataObject) -> None:
         data.draw(st.lists(st.integers(0, (1 << bits) - 1), min_size=n, max_size=n)),
         dtype=np.uint64,
     )
-    raw = pack_residues(v, bits)
+    raw = Ring(bits=bits).pack(v)
     assert len(raw) == (n * bits + 7) // 8
-    np.testing.assert_array_equal(unpack_residues(raw, bits, n), v)
+    np.testing.assert_array_equal(Ring(bits=bits).unpack(raw, n), v)
 
 
 def test_unpack_rejects_bad_length_and_padding() -> None:
-    raw = pack_residues(np.array([1, 2, 3], dtype=np.uint64), 3)  # 9 bits -> 2 bytes
+    raw = Ring(bits=3).pack(np.array([1, 2, 3], dtype=np.uint64))  # 9 bits -> 2 bytes
     with pytest.raises(ValueError, match="take 2 bytes, got 3"):
-        unpack_residues(raw + b"\0", 3, 3)
+        Ring(bits=3).unpack(raw + b"\0", 3)
     with pytest.raises(ValueError, match="padding bits"):
-        unpack_residues(raw[:1] + bytes([raw[1] | 0x80]), 3, 3)
+        Ring(bits=3).unpack(raw[:1] + bytes([raw[1] | 0x80]), 3)
 
 
 # --------------------------------------------------------------------------- Shamir
@@ -613,7 +613,7 @@ def build_vectors() -> dict[str, Any]:
             {
                 "bits": b,
                 "values": v,
-                "packed_hex": pack_residues(np.array(v, dtype=np.uint64), b).hex(),
+                "packed_hex": Ring(bits=b).pack(np.array(v, dtype=np.uint64)).hex(),
             }
             for b, v in ((12, [1, 0xABC, 0xFFF, 0]), (3, [7, 0, 5]), (64, [2**64 - 1]))
         ],
@@ -877,7 +877,7 @@ def test_no_dropouts_sums_everyone() -> None:
 
 
 def test_fixed_point_sum_decodes_after_secure_aggregation(rng: np.random.Generator) -> None:
-    fp = compress.FixedPoint(scale=2.0**10, bits=32)
+    fp = FixedPoint(scale=2.0**10, bits=32)
     w = World(6)
     cfg = w.config(bits=32, length=5)
     reals = {d: rng.uniform(-3, 3, size=5) for d in cfg.cohort}
@@ -976,7 +976,7 @@ def test_one_masked_upload_is_uniform_and_independent_of_its_input() -> None:
             )
             up = next(m for m in map(decode_message, grab) if isinstance(m, MaskedInput))
             counts += np.bincount(
-                unpack_residues(up.payload_bytes, 4, 16).astype(np.int64), minlength=16
+                Ring(bits=4).unpack(up.payload_bytes, 16).astype(np.int64), minlength=16
             )
         assert stats.chisquare(counts).pvalue > ALPHA
         tables.append(counts)

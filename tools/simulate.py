@@ -58,11 +58,11 @@ from edge_sdk import compress
 from edge_sdk.ddp import (
     DEFAULT_BETA,
     bounded_wrap_probability,
-    centered_residue,
     choose_bits_bounded,
     rounded_l2_bound,
 )
 from edge_sdk.engine import load_engine
+from edge_sdk.hazmat.ring import Ring
 from edge_sdk.model import build_spec, flatten_params, init_params, unflatten_params
 from edge_sdk.privacy import DistributedDiscreteGaussian, RdpAccountant
 from edge_sdk.privacy.paper_bounds import fedpaq_epsilon_from_noise
@@ -337,7 +337,7 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
             bytes_up_overhead += overhead
             bytes_down += mqtt_publish_size("fedge/sim/model", len(model_bytes))
         if ddg is not None and ddg_facts is not None:
-            summed = centered_residue(residue_sum, bits)
+            summed = Ring(bits=bits).to_signed(residue_sum)
             ddg_facts["wrapped_coordinates"] += int(np.count_nonzero(summed != plain_sum))
             # FedSGD: -lr times the mean clipped gradient, / p for rand-k (Fed-SPA eq. (5))
             scale = -cfg.lr * (d / k) * ddg.gamma / (r * nominal)

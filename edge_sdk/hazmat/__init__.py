@@ -6,7 +6,8 @@ key, label or reuse breaks privacy silently. Use the recipes built on top
 warns as pyca/cryptography's ``hazmat`` does.
 
 Modules: :mod:`edge_sdk.hazmat.prg` (HKDF-SHA256 key derivation and keyed ChaCha20 streams:
-bytes, uint words, rejection sampling, Fisher-Yates).
+bytes, uint words, rejection sampling, Fisher-Yates), :mod:`edge_sdk.hazmat.ring` (the ring
+Z_{2^b}: residue checks, the centered signed reading, the packed byte layout).
 """
 
 __all__: list[str] = []
