@@ -71,8 +71,8 @@ import numpy as np
 from aggregator.errors import AggregatorError
 from aggregator.guard import FloodGuard, FloodLimits
 from aggregator.optimizers import OPTIMIZERS
-from aggregator.secure_sum import SecAggServer, ServerStage
-from edge_sdk import compress, secagg, wire
+from aggregator.secagg_server import CLOSE, RECV, SecAggServer, ServerStage
+from edge_sdk import compress, wire
 from edge_sdk.errors import (
     LocalProtocolError,
     RemoteProtocolError,
@@ -80,7 +80,8 @@ from edge_sdk.errors import (
     RoundFailed,
 )
 from edge_sdk.fixedpoint import FixedPoint
-from edge_sdk.secagg import AggregatorIdentity, Registry
+from edge_sdk.hazmat import graph
+from edge_sdk.secagg import AggregatorIdentity, Registry, messages
 from edge_sdk.wire import (
     CheckIn,
     Decline,
@@ -222,11 +223,11 @@ class RoundPolicy:
 
     def config_degree(self, n: int) -> int:
         if self.degree is None:
-            return secagg.default_degree(n)
+            return graph.default_degree(n)
         return min(n - 1, self.degree + self.degree % 2)
 
     def config_threshold(self, degree: int) -> int:
-        return secagg.default_threshold(degree) if self.threshold is None else self.threshold
+        return graph.default_threshold(degree) if self.threshold is None else self.threshold
 
     def survivors_needed(self, n: int) -> int:
         if self.min_survivors is not None:
@@ -322,13 +323,6 @@ class _Round:
     reassembler: wire.Reassembler
     next_resend: float = math.inf
     resends: int = 0
-
-
-_CLOSES = {
-    ServerStage.COLLECT_KEYS: "close_advertise",
-    ServerStage.COLLECT_SHARES: "close_share_keys",
-    ServerStage.COLLECT_MASKED: "close_masked_input",
-}
 
 
 def _tree_leaves(tree: Any) -> list[np.ndarray]:
@@ -640,7 +634,7 @@ class RoundMachine:
             return self._maybe_close(now)
         if isinstance(msg, SecAggPacket):
             inner = msg.message()
-            if isinstance(inner, secagg.MaskedInput):
+            if isinstance(inner, messages.MaskedInput):
                 raise RemoteProtocolError("masked_input must come in upload chunks")
             return self._accept(inner, now)
         return self._chunk(msg, now)
@@ -665,8 +659,8 @@ class RoundMachine:
                                       f"upload is already accepted")
             return []
         try:
-            inner = secagg.decode_message(data)
-            if not isinstance(inner, secagg.MaskedInput) or inner.sender != chunk.device:
+            inner = messages.decode_message(data)
+            if not isinstance(inner, messages.MaskedInput) or inner.sender != chunk.device:
                 raise RemoteProtocolError(f"the upload of {chunk.device!r} is not its "
                                           f"masked_input")
             return self._accept(inner, now)
@@ -675,27 +669,19 @@ class RoundMachine:
             r.reassembler.forget(chunk.round_id, chunk.device)
             raise
 
-    def _accept(self, msg: secagg.Message, now: float) -> list[Publish]:
+    def _accept(self, msg: messages.Message, now: float) -> list[Publish]:
         r = self._round
         assert r is not None
         if msg.round_id != r.plan.round_id:
             raise RemoteProtocolError(f"{msg.KIND} for round {msg.round_id}")
         r.server.receive(msg)  # raises before any change
-        r.log.append(("recv", secagg.encode_message(msg)))
+        r.log.append((RECV, messages.encode_message(msg)))
         return self._maybe_close(now)
 
     # ------------------------------------------------------------------ stages
 
     def _pending(self, r: _Round) -> set[str]:
-        if r.stage is ServerStage.COLLECT_KEYS:
-            got = set(r.server._adverts)  # noqa: SLF001 (same package, read-only)
-        elif r.stage is ServerStage.COLLECT_SHARES:
-            got = set(r.server._sharekeys)  # noqa: SLF001
-        elif r.stage is ServerStage.COLLECT_MASKED:
-            got = set(r.server.survivors)
-        else:
-            got = set(r.server._responses)  # noqa: SLF001
-        return r.expected - r.declined - got - self._quarantine.keys()
+        return set(r.server.pending()) - r.declined - self._quarantine.keys()
 
     def _answered(self, r: _Round) -> int:
         return len(r.expected - r.declined - self._quarantine.keys() - self._pending(r))
@@ -718,10 +704,10 @@ class RoundMachine:
         if r.stage is ServerStage.COLLECT_UNMASK:
             return self._finish(now)
         try:
-            out = getattr(r.server, _CLOSES[r.stage])()
+            out = r.server.close_stage()
         except RoundFailed as e:
             return self._fail(now, str(e))
-        r.log.append(("close", r.stage.value.encode()))
+        r.log.append((CLOSE, r.stage.value.encode()))
         r.stage = r.server.stage
         r.expected = set(out)
         r.deadline = now + self.policy.stage_timeout
@@ -999,11 +985,7 @@ class RoundMachine:
             server = SecAggServer(identity=identity, registry=registry,
                                   config=plan.round_config())
             log = [(op, bytes(b)) for op, b in rs["log"]]
-            for op, b in log:  # replay: deterministic, so the same state bit for bit
-                if op == "recv":
-                    server.receive(secagg.decode_message(b))
-                else:
-                    getattr(server, _CLOSES[ServerStage(b.decode())])()
+            server.replay(log)  # deterministic, so the same state bit for bit
             if server.stage.value != rs["stage"]:
                 raise SnapshotError(f"replaying the round's log ends in {server.stage.value}, "
                                     f"the snapshot says {rs['stage']}")

@@ -72,14 +72,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edge_sdk import compress, secagg, wire
+from edge_sdk import compress, wire
 from edge_sdk.csprng import RoundRng
 from edge_sdk.engine import Engine
+from edge_sdk.errors import RemoteProtocolError
 from edge_sdk.fixedpoint import FixedPoint
 from edge_sdk.ledger import BudgetExhausted, Ledger, LedgerError, Plan, Reservation
 from edge_sdk.model import ModelSpec, flatten_params
 from edge_sdk.privacy.aggregate import aggregate_event
-from edge_sdk.secagg import DeviceIdentity, Registry, RemoteProtocolError, SecAggClient
+from edge_sdk.secagg import DeviceIdentity, Registry, SecAggClient, messages
 from edge_sdk.train import LocalTraining, TrainingDiverged, local_round, round_event
 from edge_sdk.wire import (
     CheckIn,
@@ -421,7 +422,7 @@ class DeviceSession:
 
     # ------------------------------------------------------------------ secagg
 
-    def _send_secagg(self, msg: secagg.Message) -> list[Publish]:
+    def _send_secagg(self, msg: messages.Message) -> list[Publish]:
         return [Publish(wire.device_up_topic(self.fleet, self.device, "secagg"),
                         wire.encode(SecAggPacket.wrap(msg)))]
 
@@ -434,11 +435,11 @@ class DeviceSession:
             r.last_heard = now
             return list(r.answers[raw])
         msg = pkt.message()
-        if isinstance(msg, secagg.NeighbourKeys):
+        if isinstance(msg, messages.NeighbourKeys):
             out = self._send_secagg(r.client.share_keys(msg))
-        elif isinstance(msg, secagg.ForwardedShares):
+        elif isinstance(msg, messages.ForwardedShares):
             out = self._upload(r, msg)
-        elif isinstance(msg, secagg.UnmaskRequest):
+        elif isinstance(msg, messages.UnmaskRequest):
             self._check_survivors(r, msg)
             out = self._send_secagg(r.client.unmask(msg))
             self._commit(r)
@@ -448,7 +449,7 @@ class DeviceSession:
         r.last_heard = now
         return list(out)
 
-    def _check_survivors(self, r: _Round, msg: secagg.UnmaskRequest) -> None:
+    def _check_survivors(self, r: _Round, msg: messages.UnmaskRequest) -> None:
         """Refuse (nothing revealed) an unmask request for a sum of fewer than the plan's
         ``min_survivors`` uploads: the ledger's aggregate view counts on that many.
 
@@ -472,13 +473,13 @@ class DeviceSession:
                                       f"(with this device) and allows at most {most} "
                                       f"(complete graph: {complete}); refused")
 
-    def _upload(self, r: _Round, msg: secagg.ForwardedShares) -> list[Publish]:
+    def _upload(self, r: _Round, msg: messages.ForwardedShares) -> list[Publish]:
         # the round was reserved (durably) before training, so the upload may leave
         masked = r.client.mask_input(msg, r.residues)
         self._inputs[r.plan.round_id] = r.residues.copy()
         while len(self._inputs) > _KEPT_INPUTS:
             del self._inputs[min(self._inputs)]
-        data = secagg.encode_message(masked)
+        data = messages.encode_message(masked)
         topic = wire.device_up_topic(self.fleet, self.device, "chunk")
         return [Publish(topic, wire.encode(c)) for c in wire.split_upload(
             round_id=r.plan.round_id, device=self.device, data=data, max_packet=self._max_packet)]

@@ -32,6 +32,7 @@ import numpy as np
 
 from edge_sdk import secagg
 from edge_sdk.errors import RemoteProtocolError
+from edge_sdk.secagg import messages
 
 __all__ = [
     "DEFAULT_MAX_PACKET",
@@ -631,7 +632,7 @@ class Decline(_Wire):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SecAggPacket(_Wire):
-    """A secure-aggregation message (``secagg.encode_message`` bytes) in either direction.
+    """A secure-aggregation message (``secagg.messages.encode_message`` bytes) in either direction.
 
     ``device`` is the sender for device messages and the recipient for the aggregator's;
     decoding checks that the wrapped message agrees with ``round_id`` and ``device``.
@@ -645,14 +646,14 @@ class SecAggPacket(_Wire):
     def payload(self) -> dict[str, Any]:
         return {"round_id": self.round_id, "device": self.device, "data": self.data}
 
-    def message(self) -> secagg.Message:
+    def message(self) -> messages.Message:
         """The wrapped message (structure checked; signatures are the endpoint's job)."""
-        return secagg.decode_message(self.data)
+        return messages.decode_message(self.data)
 
     @classmethod
-    def wrap(cls, msg: secagg.Message) -> SecAggPacket:
+    def wrap(cls, msg: messages.Message) -> SecAggPacket:
         device = getattr(msg, "sender", None) or msg.recipient  # type: ignore[union-attr]
-        return cls(round_id=msg.round_id, device=device, data=secagg.encode_message(msg))
+        return cls(round_id=msg.round_id, device=device, data=messages.encode_message(msg))
 
     @classmethod
     def from_wire(cls, d: dict[str, Any], limits: Limits) -> SecAggPacket:

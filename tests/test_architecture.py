@@ -60,6 +60,7 @@ KNOWN_CYCLES: tuple[tuple[str, frozenset[str], str], ...] = (
 # (importer, imported, the plan's step that removes it)
 KNOWN_WRONG_EDGES: tuple[tuple[str, str, str], ...] = (
     ("edge_sdk.wire", "edge_sdk.secagg", "D2"),
+    ("edge_sdk.wire", "edge_sdk.secagg.messages", "D2"),
 )
 # (module, the plan's step that creates or lightens it)
 KNOWN_HEAVY: tuple[tuple[str, str], ...] = ()

@@ -38,6 +38,7 @@ from edge_sdk.config import load_aggregator_identity, load_device_identity
 from edge_sdk.engine import load_engine
 from edge_sdk.model import init_params
 from edge_sdk.mqtt import ClientConfig
+from edge_sdk.secagg import messages
 from edge_sdk.session import DeviceSession
 from edge_sdk.wire import Publish
 from models import ONNX_DIR
@@ -111,10 +112,10 @@ def _held_round(tmp: Path, digits: Any, engine: Any) -> GatedFleet:
 
 def _masked(plan: wire.RoundPlan, ident: secagg.DeviceIdentity, *, count: int,
             bits: int) -> bytes:
-    m = secagg.MaskedInput(round_id=plan.round_id, sender=ident.device, bits=bits, count=count,
+    m = messages.MaskedInput(round_id=plan.round_id, sender=ident.device, bits=bits, count=count,
                            payload_bytes=bytes((count * bits + 7) // 8))
-    signed = secagg._sign_with(m, ident, plan.round_config().digest())  # noqa: SLF001
-    return secagg.encode_message(signed)
+    signed = messages._sign_with(m, ident, plan.round_config().digest())  # noqa: SLF001
+    return messages.encode_message(signed)
 
 
 def _chunk(plan: wire.RoundPlan, device: str, data: bytes) -> bytes:

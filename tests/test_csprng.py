@@ -56,7 +56,7 @@ def test_same_key_same_stream_fresh_key_other_stream() -> None:
 
 
 def test_words_are_the_mask_prg_with_fast_key_erasure() -> None:
-    from edge_sdk.secagg import prg_expand
+    from edge_sdk.hazmat.masking import prg_expand
 
     key = _key("fke")(32)
     r = SecureRng(random_bytes=_key("fke"))
@@ -93,7 +93,7 @@ def test_normal_is_four_draws_summed_and_halved() -> None:
 
 def _uniform_stream(key: bytes, count: int) -> np.ndarray:
     """The generator's signed 53-bit uniforms, recomputed from the keystream by hand."""
-    from edge_sdk.secagg import prg_expand
+    from edge_sdk.hazmat.masking import prg_expand
 
     words = []
     while sum(w.size for w in words) < count:

@@ -1,5 +1,6 @@
-"""Secure aggregation: edge_sdk.secagg (shared arithmetic, messages, device side) and
-aggregator.secure_sum (aggregator side), both ends driven through an in-memory transport.
+"""Secure aggregation: edge_sdk.hazmat's masking, shamir and graph (the arithmetic both
+sides share), edge_sdk.secagg (messages, device side) and aggregator.secagg_server
+(aggregator side), both ends driven through an in-memory transport.
 
 Oracles: RFC 8439 A.1 (ChaCha20), RFC 7748 6.1 (X25519), RFC 8032 7.1 (Ed25519) for the
 primitives; hand-computed ring arithmetic for the sign convention; the golden vectors in
@@ -28,56 +29,65 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from aggregator import secure_sum
-from aggregator.secure_sum import (
+import edge_sdk.secagg
+from aggregator import secagg_server
+from aggregator.secagg_server import (
     AmortizedSecAggServer,
     SecAggServer,
     ServerStage,
     run_amortized_round,
     run_round,
 )
-from edge_sdk import compress, secagg
-from edge_sdk.errors import EdgeError
+from edge_sdk import _validate, compress, secagg
+from edge_sdk.errors import (
+    EdgeError,
+    LocalProtocolError,
+    RemoteProtocolError,
+    ReplayedMessage,
+    RoundFailed,
+    UnmaskRefused,
+)
 from edge_sdk.fixedpoint import FixedPoint
+from edge_sdk.hazmat import graph, masking
+from edge_sdk.hazmat.graph import default_degree, default_threshold, neighbour_graph
+from edge_sdk.hazmat.masking import (
+    amortized_pair_seed,
+    amortized_round_seed,
+    derive_pairwise_seed,
+    derive_share_key,
+    mask,
+    mask_sign,
+    prg_expand,
+    unmask,
+)
 from edge_sdk.hazmat.ring import Ring
-from edge_sdk.secagg import (
+from edge_sdk.hazmat.shamir import (
     SHAMIR_PRIME,
-    AdvertiseKeys,
+    combine_shares,
+    share_from_bytes,
+    share_to_bytes,
+    split_secret,
+)
+from edge_sdk.secagg import (
     AggregatorIdentity,
     AmortizedSecAggClient,
     ClientState,
     DeviceIdentity,
-    ForwardedShares,
-    LocalProtocolError,
-    MaskedInput,
-    NeighbourKeys,
     PairwiseSeeds,
     Registry,
-    RemoteProtocolError,
-    ReplayedMessage,
-    RevealRequest,
     RoundConfig,
-    RoundFailed,
     SecAggClient,
-    UnmaskRefused,
+)
+from edge_sdk.secagg import messages as secagg_messages
+from edge_sdk.secagg.messages import (
+    AdvertiseKeys,
+    ForwardedShares,
+    MaskedInput,
+    NeighbourKeys,
+    RevealRequest,
     UnmaskRequest,
-    amortized_pair_seed,
-    amortized_round_seed,
-    combine_shares,
     decode_message,
-    default_degree,
-    default_threshold,
-    derive_pairwise_seed,
-    derive_share_key,
     encode_message,
-    mask,
-    mask_sign,
-    neighbour_graph,
-    prg_expand,
-    share_from_bytes,
-    share_to_bytes,
-    split_secret,
-    unmask,
 )
 
 GOLDEN_PATH = Path(__file__).parent / "golden" / "secagg_vectors.json"
@@ -222,7 +232,7 @@ class Stepper:
 # --------------------------------------------------------------------------- API
 
 
-@pytest.mark.parametrize("module", [secagg, secure_sum])
+@pytest.mark.parametrize("module", [secagg, secagg_server])
 def test_all_is_honest(module: Any) -> None:
     public = {n for n in dir(module) if not n.startswith("_")}
     assert set(module.__all__) <= public
@@ -240,9 +250,20 @@ def test_exception_tree() -> None:
     assert not issubclass(RoundFailed, RemoteProtocolError)
 
 
+def test_recipe_api_is_the_recipes() -> None:
+    """edge_sdk.secagg exports the recipes only; the misusable primitives stay in hazmat."""
+    assert set(secagg.__all__) == {
+        "SecAggClient", "AmortizedSecAggClient", "PairwiseSeeds", "ClientState",
+        "RoundConfig", "DeviceIdentity", "AggregatorIdentity", "Registry", "Enrollment"}
+    for primitive in ("prg_expand", "mask", "unmask", "split_secret", "combine_shares"):
+        assert not hasattr(secagg, primitive)
+
+
 def test_edge_sdk_does_not_import_aggregator() -> None:
-    source = Path(secagg.__file__).read_text()
-    assert "import aggregator" not in source and "from aggregator" not in source
+    for package in (edge_sdk.secagg, edge_sdk.hazmat):
+        for path in Path(package.__file__).parent.glob("*.py"):
+            source = path.read_text()
+            assert "import aggregator" not in source and "from aggregator" not in source
 
 
 # --------------------------------------------------------------------------- PRG
@@ -303,7 +324,9 @@ def test_pairwise_masks_cancel_in_the_sum(bits: int, data: st.DataObject) -> Non
     ids = sorted(
         data.draw(
             st.sets(
-                st.text(min_size=1, max_size=5).filter(lambda s: secagg._id_problem(s) is None),
+                st.text(min_size=1, max_size=5).filter(
+                    lambda s: _validate.device_id_problem(s) is None
+                ),
                 min_size=2,
                 max_size=6,
             )
@@ -338,7 +361,7 @@ def test_pairwise_masks_cancel_in_the_sum(bits: int, data: st.DataObject) -> Non
 
 
 def test_mask_streams_the_same_words_as_prg_expand_across_chunks() -> None:
-    n = 3 * secagg._CHUNK_WORDS + 123  # noqa: SLF001 (several chunks and a partial one)
+    n = 3 * masking._CHUNK_WORDS + 123  # noqa: SLF001 (several chunks and a partial one)
     x = np.arange(n, dtype=np.uint64)
     s1, s2 = hashlib.sha256(b"s1").digest(), hashlib.sha256(b"s2").digest()
     want = (x + prg_expand(s1, n) - prg_expand(s2, n)) & np.uint64(2**40 - 1)
@@ -686,7 +709,7 @@ def test_golden_vectors_against_independent_oracles() -> None:
     pub = Ed25519PrivateKey.from_private_bytes(bytes.fromhex(RFC8032_TEST1_SK)).public_key()
     pub.verify(
         adv.sig,
-        secagg.SIGNATURE_LABEL
+        secagg_messages.SIGNATURE_LABEL
         + bytes.fromhex(g["config"]["digest_hex"])
         + msgpack.packb(
             {
@@ -735,7 +758,7 @@ MESSAGES = _all_messages()
 
 
 def test_every_message_kind_is_covered() -> None:
-    assert {m.KIND for m in MESSAGES} == set(secagg._KINDS)  # noqa: SLF001
+    assert {m.KIND for m in MESSAGES} == set(secagg_messages._KINDS)  # noqa: SLF001
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: m.KIND)
@@ -848,6 +871,96 @@ def test_secagg_sum_is_exact_under_dropouts_at_every_stage(
     )
 
 
+@PROTO
+@given(case=rounds())
+def test_survivor_sets_end_the_round_as_the_server_does(
+    case: tuple[RoundConfig, World, dict[str, str], bool],
+) -> None:
+    """hazmat.graph.survivor_sets, given only who reached each stage, predicts the
+    server's survivors or its failure, word for word (a plain sum can end rounds alike)."""
+    cfg, w, drops, _ = case
+    server = w.server(cfg)
+    try:
+        run_round(server=server, clients=w.clients(cfg), inputs=random_inputs(cfg, 0),
+                  dropouts=drops)  # type: ignore[arg-type]
+        failed = None
+    except RoundFailed as e:
+        failed = str(e).removeprefix(f"round {cfg.round_id} failed: ")
+    reached = [d for d in cfg.cohort if d not in drops]
+
+    def past(stage: str) -> list[str]:
+        return reached + [d for d, s in drops.items() if STAGES.index(s) > STAGES.index(stage)]
+
+    got = graph.survivor_sets(cfg.graph(), cfg.threshold, advertised=past("advertise"),
+                              shared=past("share_keys"), uploaded=past("masked_input"),
+                              answered=reached)
+    assert got.failed == failed
+    if failed is None:
+        assert tuple(sorted(got.u3)) == server.survivors
+
+
+def test_pending_close_stage_and_replay_rebuild_the_server() -> None:
+    """The surface a round driver uses: who each stage waits for, closing it without
+    naming it, and a server rebuilt from its input log that finishes bit for bit alike."""
+    w = World(8, seed=3)
+    cfg = w.config(bits=32, length=7, full_graph=True)  # k = 7, t = 4: two may vanish
+    xs = random_inputs(cfg, 3)
+    clients = w.clients(cfg)
+    server = w.server(cfg)
+    log: list[secagg_server.LogEntry] = []
+    gone = cfg.cohort[2]  # vanishes after sharing its keys
+
+    def send(msg: Any) -> None:
+        data = encode_message(msg)
+        server.receive(decode_message(data))
+        log.append((secagg_server.RECV, data))
+
+    def close() -> dict[str, Any]:
+        stage = server.stage.value
+        out = server.close_stage()
+        log.append((secagg_server.CLOSE, stage.encode()))
+        return out
+
+    assert server.pending() == frozenset(cfg.cohort)
+    for d in cfg.cohort[1:]:
+        send(clients[d].advertise())
+    assert server.pending() == {cfg.cohort[0]}
+    out = close()
+    assert server.stage is ServerStage.COLLECT_SHARES and cfg.cohort[0] not in out
+    assert server.pending() == frozenset(out)
+    for d, m in out.items():
+        send(clients[d].share_keys(m))
+    assert server.pending() == frozenset()
+    out = close()
+    for d, m in out.items():
+        if d != gone:
+            send(clients[d].mask_input(m, xs[d]))
+    assert server.pending() == {gone}
+    requests = close()
+    assert server.stage is ServerStage.COLLECT_UNMASK
+    with pytest.raises(LocalProtocolError, match="close_stage"):
+        server.close_stage()
+    first = sorted(requests)[0]
+    send(clients[first].unmask(requests[first]))
+    assert server.pending() == frozenset(requests) - {first}
+    for d in sorted(requests)[1:]:
+        send(clients[d].unmask(requests[d]))
+
+    twin = w.server(cfg)
+    twin.replay(log)
+    assert (twin.stage, twin.survivors, twin.pending()) == (
+        server.stage, server.survivors, server.pending())
+    total = server.finalize()
+    np.testing.assert_array_equal(twin.finalize(), total)
+    np.testing.assert_array_equal(
+        total, ring_sum([xs[d] for d in server.survivors], cfg.bits, cfg.length))
+    assert gone not in server.survivors
+    with pytest.raises(LocalProtocolError, match="closes stage"):
+        w.server(cfg).replay([(secagg_server.CLOSE, b"collect_masked")])
+    with pytest.raises(LocalProtocolError, match="log entries"):
+        w.server(cfg).replay([("shout", b"")])
+
+
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize(("n", "degree", "full"), [(12, 6, False), (7, None, True)])
 def test_k_minus_t_dropouts_in_one_neighbourhood_at_each_stage(
@@ -919,8 +1032,8 @@ def test_too_few_answers_during_recovery_fails_cleanly() -> None:
 def test_prune_keeps_the_t_core() -> None:
     # a triangle with a pendant path: the 2-core is the triangle
     g = {"a": ("b", "c"), "b": ("a", "c"), "c": ("a", "b", "d"), "d": ("c", "e"), "e": ("d",)}
-    assert secure_sum._prune(set(g), g, 2) == {"a", "b", "c"}  # noqa: SLF001
-    assert secure_sum._prune(set(g), g, 3) == set()  # noqa: SLF001
+    assert graph.prune(set(g), g, 2) == {"a", "b", "c"}  # noqa: SLF001
+    assert graph.prune(set(g), g, 3) == set()  # noqa: SLF001
 
 
 def test_too_few_live_neighbours_at_advertise_fails_before_any_share_is_made() -> None:

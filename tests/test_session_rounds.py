@@ -23,6 +23,7 @@ from edge_sdk import secagg, wire
 from edge_sdk.csprng import seeded_round_rng
 from edge_sdk.ledger import Budget, Ledger
 from edge_sdk.model import init_params
+from edge_sdk.secagg import messages
 from edge_sdk.session import DeviceSession
 from tools.inproc import MemoryBroker, topic_matches
 
@@ -347,12 +348,12 @@ def test_bad_inputs_are_rejected_without_state_change(tmp_path, digits, engine, 
     adv_sender = adv_topic.split("/")[3]
     # a masked input of the wrong length, properly signed by a cohort member
     cfg = plan.round_config()
-    good = secagg.MaskedInput(round_id=plan.round_id, sender=member, bits=plan.bits,
+    good = messages.MaskedInput(round_id=plan.round_id, sender=member, bits=plan.bits,
                               count=plan.length - 1,
                               payload_bytes=bytes(((plan.length - 1) * plan.bits + 7) // 8))
     signer = fleet.ids[int(member[1:])]
-    wrong_shape = secagg.encode_message(
-        secagg._sign_with(good, signer, cfg.digest()))  # noqa: SLF001
+    wrong_shape = messages.encode_message(
+        messages._sign_with(good, signer, cfg.digest()))  # noqa: SLF001
     wrong_round = msgpack.packb({**msgpack.unpackb(adv), "round_id": 99})
     unsigned_ck = wire.encode(wire.CheckIn(device=member, data_size=1, remaining_epsilon=1.0,
                                            model_version=0, sig=bytes(64)))

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edge_sdk import secagg, wire
+from edge_sdk.errors import RemoteProtocolError
 from edge_sdk.wire import (
     CheckIn,
     Decline,
@@ -103,11 +104,11 @@ def test_signatures_verify_and_bind_every_field(messages) -> None:
     _, _, reg = _identities()
     wire.verify(messages["checkin"], reg, "dev-a")
     wire.verify(messages["plan"], reg, None)
-    with pytest.raises(secagg.RemoteProtocolError, match="bad signature"):
+    with pytest.raises(RemoteProtocolError, match="bad signature"):
         wire.verify(messages["checkin"], reg, "dev-b")
     from dataclasses import replace
     forged = replace(messages["plan"], noise_multiplier=0.0)
-    with pytest.raises(secagg.RemoteProtocolError, match="bad signature from the aggregator"):
+    with pytest.raises(RemoteProtocolError, match="bad signature from the aggregator"):
         wire.verify(forged, reg, None)
 
 

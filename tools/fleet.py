@@ -56,6 +56,7 @@ from aggregator.store import CheckpointStore
 from edge_sdk import secagg, wire
 from edge_sdk.csprng import seeded_round_rng
 from edge_sdk.engine import Engine, load_engine
+from edge_sdk.errors import RemoteProtocolError
 from edge_sdk.ledger import Budget, Ledger
 from edge_sdk.model import ModelSpec, build_spec, init_params
 from edge_sdk.session import DeviceSession
@@ -270,7 +271,7 @@ class DeviceAgent:
             round_id = int(msg.round_id)  # type: ignore[attr-defined]
             if isinstance(msg, wire.SecAggPacket):
                 return round_id, msg.message().KIND
-        except (secagg.RemoteProtocolError, AttributeError):
+        except (RemoteProtocolError, AttributeError):
             return None, kind  # the session logs and ignores it
         return round_id, kind
 

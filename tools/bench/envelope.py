@@ -113,7 +113,7 @@ import numpy as np
 from edge_sdk.csprng import SecureRng
 from edge_sdk.engine import load_engine
 from edge_sdk.model import init_params
-from edge_sdk.secagg import prg_expand
+from edge_sdk.hazmat.masking import prg_expand
 from edge_sdk.train import LocalTraining, local_round
 from models import ONNX_DIR
 model, samples, steps, batch, masks, dim = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),

@@ -1,7 +1,7 @@
 """Benchmark: secure aggregation (SecAgg+ with double masking), against the PRG floor.
 
 One call runs a *complete* round in memory at the requested cohort size n and dimension d
-(``edge_sdk.secagg`` devices, ``aggregator.secure_sum`` aggregator, every message through
+(``edge_sdk.secagg`` devices, ``aggregator.secagg_server`` aggregator, every message through
 msgpack bytes, every signature checked), with ``round(dropout * n)`` devices, chosen
 uniformly with a fixed seed, vanishing after they shared their keys and before they upload:
 the expensive case, where the aggregator reconstructs their mask keys and recomputes their
@@ -15,7 +15,7 @@ Timings (``time.perf_counter``, single process, best of ``reps`` where repeated)
 
 * ``client_mask_s``: one device's masking work: k X25519 agreements + HKDF for the
   pairwise seeds, then k + 1 PRG expansions of d words added into the vector
-  (``edge_sdk.secagg.mask``). It is timed on fresh keys with exactly the functions and
+  (``edge_sdk.hazmat.masking.mask``). It is timed on fresh keys with exactly the functions and
   the counts a surviving device of this round uses (k neighbours that all shared keys).
   The representative device's real protocol steps, which also verify signatures,
   open the sealed shares, pack and sign, are reported in ``client_stage_s``.
@@ -47,21 +47,11 @@ from typing import Any, TextIO
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from aggregator.secure_sum import SecAggServer
-from edge_sdk.secagg import (
-    AggregatorIdentity,
-    DeviceIdentity,
-    Registry,
-    RoundConfig,
-    RoundFailed,
-    SecAggClient,
-    decode_message,
-    derive_pairwise_seed,
-    encode_message,
-    mask,
-    mask_sign,
-    prg_expand,
-)
+from aggregator.secagg_server import SecAggServer
+from edge_sdk.errors import RoundFailed
+from edge_sdk.hazmat.masking import derive_pairwise_seed, mask, mask_sign, prg_expand
+from edge_sdk.secagg import AggregatorIdentity, DeviceIdentity, Registry, RoundConfig, SecAggClient
+from edge_sdk.secagg.messages import decode_message, encode_message
 from tools.bench.client import machine
 
 __all__ = ["run_secagg_bench"]

@@ -38,7 +38,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from edge_sdk.secagg import default_degree
+from edge_sdk.hazmat.graph import default_degree
 from tools.bench.client import REPO
 from tools.bench.floors import add_seconds
 

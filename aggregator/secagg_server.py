@@ -3,9 +3,15 @@
 Sans-I/O (h11-style): :class:`SecAggServer` takes messages with :meth:`~SecAggServer.receive`
 and returns the messages to relay when the caller closes a stage (at a quorum or a
 deadline, which are the caller's business). It never sees an individual input: it sums
-the masked uploads as they arrive, then removes the masks that do not cancel. All the
-arithmetic, the PRG, the message schemas and the errors are ``edge_sdk.secagg``'s (the
-shared module), so both sides compute the same bits.
+the masked uploads as they arrive, then removes the masks that do not cancel. The
+arithmetic is ``edge_sdk.hazmat``'s (masking, shamir, graph: the survivor rules), the
+messages and keys ``edge_sdk.secagg``'s, so both sides compute the same bits.
+
+What a round driver uses (``aggregator.rounds``): :attr:`~SecAggServer.stage`,
+:meth:`~SecAggServer.pending` (who the open stage still waits for),
+:meth:`~SecAggServer.close_stage` (close it at a quorum or a deadline),
+:meth:`~SecAggServer.finalize`, :attr:`~SecAggServer.survivors`, and
+:meth:`~SecAggServer.replay` to rebuild a server from its input log after a restart.
 
 Stages (Bonawitz et al. 2017 Fig. 4 with SecAgg+ neighbourhoods, Bell et al. 2020)::
 
@@ -16,17 +22,18 @@ Stages (Bonawitz et al. 2017 Fig. 4 with SecAgg+ neighbourhoods, Bell et al. 202
     DONE | FAILED
 
 Device sets: U1 advertised, U2 shared keys, U3 uploaded (the survivors), U5 answered
-recovery. Closing the first two stages prunes, repeatedly, any device left with fewer than
-t live neighbours (its shares could never be recovered; pruning before it masks is free).
-Closing the upload stage checks, *before any share is requested*, that every survivor and
-every dropped device with a surviving neighbour has at least t survivors among its
-neighbours; otherwise the round fails with :class:`RoundFailed` and nothing is revealed.
-Recovery fails the same way if too few survivors answer. (On the ring-like Harary graph
+recovery. The survivor rules are ``edge_sdk.hazmat.graph``'s: closing the first two stages
+prunes, repeatedly, any device left with fewer than t live neighbours (its shares could
+never be recovered; pruning before it masks is free). Closing the upload stage checks,
+*before any share is requested*, that every survivor and every dropped device with a
+surviving neighbour has at least t survivors among its neighbours; otherwise the round
+fails with ``RoundFailed`` and nothing is revealed. Recovery fails the same way if too few
+survivors answer. (On the ring-like Harary graph
 with 2t > k, a device that loses more than k - t neighbours opens a gap whose borders keep
 only k/2 < t live neighbours, so pruning usually empties the whole round: it then fails at
 that stage, early and cleanly, rather than later.)
 
-Masks removed (sign convention of ``edge_sdk.secagg.mask_sign``)::
+Masks removed (sign convention of ``edge_sdk.hazmat.masking.mask_sign``)::
 
     sum = sum_{u in U3} y_u - sum_{u in U3} PRG(b_u)
           - sum_{v in U2 \\ U3} sum_{u in N(v) ∩ U3} sign(u, v) PRG(s_uv)      (mod 2^b)
@@ -52,45 +59,51 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
 from edge_sdk import compress
+from edge_sdk.errors import LocalProtocolError, RemoteProtocolError, ReplayedMessage, RoundFailed
+from edge_sdk.hazmat import graph
+from edge_sdk.hazmat.masking import derive_pairwise_seed, mask_sign, unmask
 from edge_sdk.hazmat.ring import Ring
+from edge_sdk.hazmat.shamir import SHAMIR_PRIME, combine_shares, share_from_bytes
 from edge_sdk.secagg import (
-    SHAMIR_PRIME,
-    AdvertiseKeys,
     AggregatorIdentity,
     AmortizedSecAggClient,
+    Registry,
+    RoundConfig,
+    SecAggClient,
+)
+from edge_sdk.secagg.messages import (
+    AdvertiseKeys,
     ForwardedShares,
-    LocalProtocolError,
     MaskedInput,
     Message,
     NeighbourKeys,
-    Registry,
-    RemoteProtocolError,
-    ReplayedMessage,
     RevealRequest,
     RevealResponse,
-    RoundConfig,
-    RoundFailed,
-    SecAggClient,
     ShareKeys,
     UnmaskRequest,
     UnmaskResponse,
-    combine_shares,
     decode_message,
-    derive_pairwise_seed,
     encode_message,
-    mask_sign,
-    share_from_bytes,
-    unmask,
 )
 
 __all__ = [
+    "RECV",
+    "CLOSE",
     "AmortizedSecAggServer",
     "DropStage",
+    "LogEntry",
     "SecAggServer",
     "ServerStage",
     "run_amortized_round",
     "run_round",
 ]
+
+
+RECV = "recv"
+CLOSE = "close"
+LogEntry: TypeAlias = tuple[str, bytes]
+"""One entry of a server's input log (:meth:`SecAggServer.replay`): ``(RECV, the accepted
+message's encode_message bytes)`` or ``(CLOSE, the closed stage's value, UTF-8)``."""
 
 
 class ServerStage(enum.Enum):
@@ -102,19 +115,6 @@ class ServerStage(enum.Enum):
     COLLECT_UNMASK = "collect_unmask"
     DONE = "done"
     FAILED = "failed"
-
-
-def _prune(members: set[str], graph: Mapping[str, tuple[str, ...]], t: int) -> set[str]:
-    """Largest subset in which every device keeps at least t neighbours (a t-core)."""
-    alive = set(members)
-    changed = True
-    while changed:
-        changed = False
-        for u in sorted(alive):
-            if sum(v in alive for v in graph[u]) < t:
-                alive.discard(u)
-                changed = True
-    return alive
 
 
 class _Base:
@@ -221,6 +221,65 @@ class SecAggServer(_Base):
         """U3: the devices whose inputs are in the sum (sorted)."""
         return tuple(sorted(self._u3))
 
+    def pending(self) -> frozenset[str]:
+        """The devices the open stage still waits for: those of the stage's set (the
+        cohort, U1, U2, or the survivors asked to unmask) that have not answered. Empty
+        once the round is done or failed."""
+        if self._stage is ServerStage.COLLECT_KEYS:
+            return frozenset(self._cfg.cohort) - self._adverts.keys()
+        if self._stage is ServerStage.COLLECT_SHARES:
+            return self._u1 - self._sharekeys.keys()
+        if self._stage is ServerStage.COLLECT_MASKED:
+            return self._u2 - set(self._u3)
+        if self._stage is ServerStage.COLLECT_UNMASK:
+            return frozenset(self._requests) - self._responses.keys()
+        return frozenset()
+
+    def close_stage(self) -> dict[str, Message]:
+        """Close the open key or upload stage (:meth:`close_advertise`,
+        :meth:`close_share_keys` or :meth:`close_masked_input`, by :attr:`stage`) and
+        return the messages to send, by recipient. The unmask stage ends with
+        :meth:`finalize` instead.
+
+        Raises:
+            RoundFailed: as the stage's close method.
+            LocalProtocolError: the stage is COLLECT_UNMASK, DONE or FAILED.
+        """
+        close = {
+            ServerStage.COLLECT_KEYS: self.close_advertise,
+            ServerStage.COLLECT_SHARES: self.close_share_keys,
+            ServerStage.COLLECT_MASKED: self.close_masked_input,
+        }.get(self._stage)
+        if close is None:
+            raise LocalProtocolError(f"close_stage() called in stage {self._stage.value}")
+        return dict(close())
+
+    def replay(self, log: Iterable[LogEntry]) -> None:
+        """Bring a fresh server to the state its input log describes: each ``(RECV, bytes)``
+        is decoded and received, each ``(CLOSE, stage)`` closes that stage. The server is
+        deterministic (sums, pruning, Ed25519 signatures), so the replay reproduces the
+        logged server bit for bit; a caller that logs every accepted message and every
+        successful close can snapshot a round as its log.
+
+        Raises:
+            RemoteProtocolError: a logged message does not decode or is not accepted.
+            LocalProtocolError: a close entry names another stage than the open one, or an
+                entry is neither kind.
+            RoundFailed: a logged close fails now (the log is not this round's).
+        """
+        for op, data in log:
+            if op == RECV:
+                self.receive(decode_message(data))
+            elif op == CLOSE:
+                if bytes(data).decode() != self._stage.value:
+                    raise LocalProtocolError(
+                        f"the log closes stage {bytes(data)!r}, the server is in "
+                        f"{self._stage.value}"
+                    )
+                self.close_stage()
+            else:
+                raise LocalProtocolError(f"log entries are {RECV!r} or {CLOSE!r}, got {op!r}")
+
     def receive(self, msg: Message) -> None:
         """Accept one device message, or raise and change nothing.
 
@@ -292,13 +351,12 @@ class SecAggServer(_Base):
             RoundFailed: no device can continue.
         """
         self._require(ServerStage.COLLECT_KEYS, "close_advertise()")
-        u1 = _prune(set(self._adverts), self._graph, self._cfg.threshold)
-        if not u1:
-            raise self._fail(
-                f"only {len(self._adverts)} devices advertised keys; no device "
-                f"has {self._cfg.threshold} live neighbours"
-            )
-        self._u1 = frozenset(u1)
+        u1, why = graph.stage_core(
+            self._adverts, self._graph, self._cfg.threshold, did="advertised keys"
+        )
+        if why:
+            raise self._fail(why)
+        self._u1 = u1
         self._stage = ServerStage.COLLECT_SHARES
         return {
             u: self._sign(
@@ -319,13 +377,12 @@ class SecAggServer(_Base):
             RoundFailed: no device can continue.
         """
         self._require(ServerStage.COLLECT_SHARES, "close_share_keys()")
-        u2 = _prune(set(self._sharekeys), self._graph, self._cfg.threshold)
-        if not u2:
-            raise self._fail(
-                f"only {len(self._sharekeys)} devices shared keys; no device "
-                f"has {self._cfg.threshold} live neighbours"
-            )
-        self._u2 = frozenset(u2)
+        u2, why = graph.stage_core(
+            self._sharekeys, self._graph, self._cfg.threshold, did="shared keys"
+        )
+        if why:
+            raise self._fail(why)
+        self._u2 = u2
         inbox: dict[str, list[Any]] = {u: [] for u in u2}
         for owner in sorted(u2):
             for s in self._sharekeys[owner].shares:
@@ -350,18 +407,9 @@ class SecAggServer(_Base):
         """
         self._require(ServerStage.COLLECT_MASKED, "close_masked_input()")
         u3 = set(self._u3)
-        t = self._cfg.threshold
-        if not u3:
-            raise self._fail("no device uploaded a masked input")
-        for u in sorted(self._u2):
-            live = [v for v in self._graph[u] if v in u3]
-            needed = u in u3 or bool(live)  # a dropped device matters if a survivor masked with it
-            if needed and len(live) < t:
-                what = "survivor" if u in u3 else "dropped device"
-                raise self._fail(
-                    f"{what} {u!r} has {len(live)} surviving neighbours, below the threshold "
-                    f"{t}; its {'self mask' if u in u3 else 'pairwise masks'} cannot be removed"
-                )
+        why = graph.upload_problem(self._graph, self._cfg.threshold, self._u2, u3)
+        if why:
+            raise self._fail(why)
         self._requests = {
             u: self._sign(
                 UnmaskRequest(
@@ -398,14 +446,10 @@ class SecAggServer(_Base):
             for owner, s in resp.self_seed_shares:
                 seed_shares.setdefault(owner, {})[x] = share_from_bytes(s)
         u3 = set(self._u3)
-        dropped = sorted(v for v in self._u2 - u3 if any(u in u3 for u in self._graph[v]))
-        for group, names in ((mask_shares, dropped), (seed_shares, sorted(u3))):
-            for owner in names:
-                got = len(group.get(owner, {}))
-                if got < t:
-                    raise self._fail(
-                        f"only {got} shares of {owner!r} came back, below the threshold {t}"
-                    )
+        why = graph.share_shortfall(self._graph, t, self._u2, u3, self._responses)
+        if why:
+            raise self._fail(why)
+        dropped, _ = graph.recovery_owners(self._graph, self._u2, u3)
         keys: dict[str, X25519PrivateKey] = {}
         for v in dropped:
             secret = combine_shares(mask_shares[v], threshold=t, prime=SHAMIR_PRIME)
