@@ -114,7 +114,7 @@ class Plan(Message):
     mechanism: str = Name()
     params: Record = ParamsOf("mechanism", PARAMS)
     shares: tuple[tuple[str, bytes], ...] = Map(Name(), Bytes(4), max=8)
-    cohort: tuple[str, ...] = Names(max="max_cohort", sorted_unique=True)
+    cohort: tuple[str, ...] = Names(max="max_cohort", min=1, sorted_unique=True)
     sig: bytes = Sig()
 
     def __post_init__(self) -> None:
@@ -136,11 +136,12 @@ class Bundle(Message):
             raise ValueError(f"{total} values in all, above {limits.max_array_elements}")
 
 
-@message(kind="shares", signer=DEVICE, context_bytes=32)
+@message(kind="shares", signer=DEVICE, party="both", context_bytes=32)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Shares(Message):
     round_id: int = Round()
     sender: str = From()
+    recipient: str = To()
     data: bytes = Bytes(max=128)
     sig: bytes = Sig()
 
@@ -233,7 +234,7 @@ def bundles(draw: st.DrawFn) -> Bundle:
 
 def shares() -> st.SearchStrategy[Shares]:
     return st.builds(Shares, round_id=st.integers(0, ROUND_HI), sender=names,
-                     data=st.binary(max_size=128))
+                     recipient=names, data=st.binary(max_size=128))
 
 
 def chunks() -> st.SearchStrategy[Chunk]:
@@ -259,7 +260,7 @@ def example(cls: type[Message]) -> Any:
         Bundle: Bundle(round_id=5, pings=(signed(ping),),
                        vecs=(Vec(dtype="<u4", count=2, data=bytes(8)),
                              Vec(dtype="<f8", count=1, data=bytes(8)))),
-        Shares: Shares(round_id=9, sender="dev-b", data=b"secret shares"),
+        Shares: Shares(round_id=9, sender="dev-b", recipient="dev-c", data=b"secret shares"),
         Chunk: Chunk(round_id=9, sender="dev-b", index=1, data=b"part"),
     }[cls]
     return signed(out)
@@ -312,6 +313,7 @@ def test_the_envelope_of_each_kind() -> None:
     assert env | {"to", "sig"} <= wire["plan"] and "from" not in wire["plan"]
     assert env | {"sig"} <= wire["bundle"] and not {"from", "to"} & wire["bundle"]
     assert env | {"from"} <= wire["chunk"] and not {"to", "sig"} & wire["chunk"]
+    assert env | {"from", "to", "sig"} <= wire["shares"]
     assert all(msgpack.unpackb(encode(example(c)))["v"] == PROTOCOL_VERSION
                for c in KINDS.values())
 
@@ -395,6 +397,7 @@ def test_values_that_do_not_fit_together_are_named() -> None:
     _refused({**plan, "mechanism": "nope"},
              "plan: field 'mechanism' names no known parameter schema, got 'nope'")
     _refused({**plan, "cohort": ["dev-b", "dev-a"]}, "field 'cohort'", "sorted order")
+    _refused({**plan, "cohort": []}, "field 'cohort' must have at least 1 items, got 0")
     _refused({**plan, "shares": [["dev-b", b"abcd"], ["dev-b", b"efgh"]]},
              "field 'shares'", "'dev-b' twice")
     _refused({**plan, "shares": [["dev-b", b"abc"]]}, "field 'shares' item 0",
@@ -425,6 +428,17 @@ def test_huge_lengths_are_refused_without_allocating() -> None:
     bundle = msgpack.packb(_obj(Bundle), use_bin_type=True)
     with pytest.raises(WireError, match="bundle: 3 values in all, above 2"):
         decode(bundle, KINDS, limits=Limits(max_array_elements=2))
+
+
+def test_errors_show_a_peers_value_briefly() -> None:
+    base = _obj(Ping)
+    msg = _refused({**base, "from": "x" * 100_000}, "field 'from' must be 1-64 characters",
+                   "... (100000 characters)")
+    assert len(msg) < 300
+    msg = _refused({**base, "count": ["x"] * 100_000}, "a list of 100000 items")
+    assert len(msg) < 300
+    msg = _refused({**base, **{f"k{i}": 0 for i in range(500)}}, "and more")
+    assert len(msg) < 600
 
 
 @pytest.mark.parametrize("data", [
@@ -470,7 +484,8 @@ ALTERNATIVES: dict[type[Message], dict[str, Any]] = {
            "shares": (("dev-b", b"abcd"),), "cohort": ("dev-a", "dev-b", "dev-c", "dev-d")},
     Bundle: {"round_id": 6, "pings": (),
              "vecs": (Vec(dtype="<u4", count=2, data=bytes(7) + b"\x01"),)},
-    Shares: {"round_id": 10, "sender": "dev-c", "data": b"secret shareS"},
+    Shares: {"round_id": 10, "sender": "dev-c", "recipient": "dev-a",
+             "data": b"secret shareS"},
 }
 
 
@@ -681,8 +696,14 @@ def test_the_decorator_refuses_classes_that_break_the_rules() -> None:
 
     with pytest.raises(TypeError, match="must subclass schema.Message"):
         declare(NotAMessage)
+    with pytest.raises(TypeError, match="must subclass schema.Record"):
+        record(NotAMessage)
+    with pytest.raises(TypeError, match="NoSig is a Message: declare it with @message"):
+        record(NoSig)
     with pytest.raises(ValueError, match="kind must be 1-64 characters"):
         message(kind="a/b", signer=DEVICE)
+    with pytest.raises(ValueError, match="a device-signed kind names its device"):
+        message(kind="k", signer=DEVICE, party="to")
     with pytest.raises(ValueError, match="an unsigned kind must say its party"):
         message(kind="k", signer=None)
     with pytest.raises(ValueError, match="context_bytes must be 0, or 32 for a signed kind"):

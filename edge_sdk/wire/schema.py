@@ -19,8 +19,9 @@ The envelope. Every message is one msgpack map
 
 * ``"round"`` (attribute ``round_id``) in every kind;
 * ``"from"`` (attribute ``sender``) when a device sends it, ``"to"`` (attribute
-  ``recipient``) when the aggregator sends it to one device, neither when the aggregator
-  sends it to everyone (``party=None``);
+  ``recipient``) when the aggregator sends it to one device, both when one device sends it
+  to another through the aggregator (``party="both"``: a sealed share), neither when the
+  aggregator sends it to everyone (``party=None``);
 * ``"sig"`` (attribute ``sig``, 64 bytes, Ed25519) when the kind has a ``signer``.
 
 The encoding is canonical: maps are emitted with their keys in sorted order, floats as
@@ -193,6 +194,16 @@ def _type_name(v: object) -> str:
     return type(v).__name__
 
 
+def _show(v: object, width: int = 80) -> str:
+    """A peer's value for an error message, short whatever the peer sent."""
+    if isinstance(v, str | bytes) and len(v) > width:
+        return f"{v[:width]!r}... ({len(v)} {'characters' if isinstance(v, str) else 'bytes'})"
+    if isinstance(v, list | dict | tuple) and len(v) > 8:
+        return f"a {_type_name(v)} of {len(v)} items"
+    r = repr(v)
+    return r if len(r) <= width else r[:width] + "..."
+
+
 class _Type:
     """One field type; subclasses define ``dump`` and ``load``."""
 
@@ -219,13 +230,13 @@ class _Int(_Type):
 
     def dump(self, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise _Bad(f"must be an integer, got {_type_name(value)} {value!r}")
+            raise _Bad(f"must be an integer, got {_type_name(value)} {_show(value)}")
         return int(value)
 
     def load(self, raw: Any, limits: Limits) -> int:
         lo, hi = _limit(self.lo, limits), _limit(self.hi, limits)
         if isinstance(raw, bool) or not isinstance(raw, int) or not lo <= raw <= hi:
-            raise _Bad(f"must be an integer in [{lo}, {hi}], got {raw!r}")
+            raise _Bad(f"must be an integer in [{lo}, {hi}], got {_show(raw)}")
         return raw
 
 
@@ -240,17 +251,17 @@ class _Float(_Type):
 
     def dump(self, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise _Bad(f"must be a float, got {_type_name(value)} {value!r}")
+            raise _Bad(f"must be a float, got {_type_name(value)} {_show(value)}")
         return float(value)  # one encoding per value: always float64
 
     def load(self, raw: Any, limits: Limits) -> float:
         if not isinstance(raw, float):  # an int where a float belongs is refused
-            raise _Bad(f"must be a float, got {_type_name(raw)} {raw!r}")
+            raise _Bad(f"must be a float, got {_type_name(raw)} {_show(raw)}")
         lo, hi = self.lo, self.hi
         if (not math.isfinite(raw) or raw < lo or raw > hi
                 or (self.open_lo and raw == lo) or (self.open_hi and raw == hi)):
             bound = f"{'(' if self.open_lo else '['}{lo}, {hi}{')' if self.open_hi else ']'}"
-            raise _Bad(f"must be a finite float in {bound}, got {raw!r}")
+            raise _Bad(f"must be a finite float in {bound}, got {_show(raw)}")
         return raw
 
 
@@ -280,8 +291,8 @@ class _Bytes(_Type):
             raise _Bad(f"must be {self.size} bytes, got {len(raw)}")
         if self.max is not None and len(raw) > _limit(self.max, limits):
             raise _Bad(f"must be at most {_limit(self.max, limits)} bytes, got {len(raw)}")
-        if len(raw) < self.min:
-            raise _Bad(f"must be at least {self.min} bytes, got {len(raw)}")
+        if len(raw) < _limit(self.min, limits):
+            raise _Bad(f"must be at least {_limit(self.min, limits)} bytes, got {len(raw)}")
         return raw
 
 
@@ -305,7 +316,7 @@ class _Str(_Type):
         if len(raw) > hi:
             raise _Bad(f"must be at most {hi} characters, got {len(raw)}")
         if self.choices is not None and raw not in self.choices:
-            raise _Bad(f"must be one of {self.choices}, got {raw!r}")
+            raise _Bad(f"must be one of {self.choices}, got {_show(raw)}")
         return raw
 
 
@@ -320,15 +331,18 @@ class _Name(_Type):
 
     def load(self, raw: Any, limits: Limits) -> str:
         if not isinstance(raw, str) or not NAME_PATTERN.fullmatch(raw):
-            raise _Bad(f"must be 1-64 characters of [A-Za-z0-9_.-], got {raw!r}")
+            raise _Bad(f"must be 1-64 characters of [A-Za-z0-9_.-], got {_show(raw)}")
         return raw
 
 
 class _List(_Type):
-    __slots__ = ("distinct", "item", "max", "sorted_unique")
+    __slots__ = ("distinct", "item", "max", "min", "sorted_unique")
 
-    def __init__(self, item: _Type, hi: _Bound, distinct: bool, sorted_unique: bool) -> None:
+    def __init__(self, item: _Type, lo: int, hi: _Bound, distinct: bool,
+                 sorted_unique: bool) -> None:
+        _check_bound(lo, "ListOf min")
         _check_bound(hi, "ListOf max")
+        self.min = lo
         if (distinct or sorted_unique) and not item.hashable:
             raise ValueError(f"only lists of scalars can be distinct or sorted, not of "
                              f"{type(item).__name__.lstrip('_')}")
@@ -351,6 +365,8 @@ class _List(_Type):
         hi = _limit(self.max, limits)
         if len(raw) > hi:
             raise _Bad(f"must have at most {hi} items, got {len(raw)}")
+        if len(raw) < _limit(self.min, limits):
+            raise _Bad(f"must have at least {_limit(self.min, limits)} items, got {len(raw)}")
         out = []
         for i, v in enumerate(raw):
             try:
@@ -361,7 +377,7 @@ class _List(_Type):
             raise _Bad("must list distinct items in sorted order")
         if self.distinct and len(set(out)) != len(out):
             twice = next(x for i, x in enumerate(out) if x in out[:i])
-            raise _Bad(f"must list distinct items, got {twice!r} twice")
+            raise _Bad(f"must list distinct items, got {_show(twice)} twice")
         return tuple(out)
 
 
@@ -383,7 +399,7 @@ class _Map(_Type):
         out = []
         for i, pair in enumerate(value):
             if not isinstance(pair, tuple | list) or len(pair) != 2:
-                raise _Bad(f"item {i} must be a (key, value) pair, got {pair!r}")
+                raise _Bad(f"item {i} must be a (key, value) pair, got {_show(pair)}")
             try:
                 out.append([self.key.dump(pair[0]), self.value.dump(pair[1])])
             except _Bad as e:
@@ -407,7 +423,7 @@ class _Map(_Type):
             except _Bad as e:
                 raise _Bad(f"item {i} {e}") from None
             if k in seen:
-                raise _Bad(f"must name each key once, got {k!r} twice")
+                raise _Bad(f"must name each key once, got {_show(k)} twice")
             seen.add(k)
             out.append((k, v))
         return tuple(out)
@@ -450,7 +466,8 @@ class _Struct(_Type):
 
 
 class _ParamsOf(_Type):
-    """A record whose schema another field's value chooses (a mechanism's parameters)."""
+    """A record whose schema another field's value chooses (a mechanism's parameters);
+    ``Record.to_wire``/``from_wire`` dump and load it as the ``Struct`` of the chosen class."""
 
     __slots__ = ("by", "lookup")
 
@@ -459,20 +476,16 @@ class _ParamsOf(_Type):
 
     def schema_for(self, chooser: Any) -> type[Record]:
         """The record class for the chooser's value; _Bad (about the chooser) if none."""
-        cls = self.lookup(chooser)
+        try:
+            cls = self.lookup(chooser)
+        except TypeError:  # an unhashable value (a caller's bug) chooses nothing
+            cls = None
         if cls is None:
-            raise _Bad(f"names no known parameter schema, got {chooser!r}")
+            raise _Bad(f"names no known parameter schema, got {_show(chooser)}")
         if not isinstance(cls, type) or "__wire__" not in cls.__dict__:
             raise TypeError(f"ParamsOf lookup gave {cls!r} for {chooser!r}, not a @record")
         return cls
 
-    def dump(self, value: Any, cls: type[Record] | None = None) -> Any:
-        assert cls is not None  # Record.to_wire passes the class schema_for chose
-        return _Struct(cls).dump(value)
-
-    def load(self, raw: Any, limits: Limits, cls: type[Record] | None = None) -> Any:
-        assert cls is not None  # Record.from_wire passes the class schema_for chose
-        return _Struct(cls).load(raw, limits)
 
 
 def _type_of(spec: Any) -> _Type:
@@ -534,20 +547,21 @@ def Name(*, key: str | None = None, default: Any = MISSING) -> Any:
 
 
 def ListOf(
-    item: Any, *, max: _Bound, distinct: bool = False, sorted_unique: bool = False,
-    key: str | None = None, default: Any = MISSING,
+    item: Any, *, max: _Bound, min: int = 0, distinct: bool = False,
+    sorted_unique: bool = False, key: str | None = None, default: Any = MISSING,
 ) -> Any:
-    """A list of at most ``max`` items of type ``item`` (a tuple in Python); ``distinct``
-    refuses repeats, ``sorted_unique`` also demands ascending order (one form per set)."""
-    return _declare(_List(_type_of(item), max, distinct, sorted_unique), key, default)
+    """A list of ``min`` to ``max`` items of type ``item`` (a tuple in Python);
+    ``distinct`` refuses repeats, ``sorted_unique`` also demands ascending order (one form
+    per set)."""
+    return _declare(_List(_type_of(item), min, max, distinct, sorted_unique), key, default)
 
 
 def Names(
-    *, max: _Bound = "max_cohort", distinct: bool = True, sorted_unique: bool = False,
-    key: str | None = None, default: Any = MISSING,
+    *, max: _Bound = "max_cohort", min: int = 0, distinct: bool = True,
+    sorted_unique: bool = False, key: str | None = None, default: Any = MISSING,
 ) -> Any:
     """A list of distinct :func:`Name` s (a cohort, the dropped devices)."""
-    return _declare(_List(_Name(), max, distinct, sorted_unique), key, default)
+    return _declare(_List(_Name(), min, max, distinct, sorted_unique), key, default)
 
 
 def Map(
@@ -618,7 +632,7 @@ class _Schema:
     name: str  # the kind, or the record's class name (for errors)
     kind: str | None  # None: a record (no envelope)
     signer: Role | None
-    party: str | None  # "from", "to" or None
+    party: str | None  # "from", "to", "both" or None
     context_bytes: int
     slots: tuple[_Slot, ...]  # declaration order (errors report in it)
     order: tuple[_Slot, ...]  # wire order: sorted by key (canonical)
@@ -647,17 +661,15 @@ class Record:
         out: dict[str, Any] = {}
         head = {"v": PROTOCOL_VERSION, "kind": sch.kind} if sch.kind is not None else {}
         for s in sch.order:
-            if isinstance(s.type, _ParamsOf):
-                by = sch.by_attr[s.type.by]
+            t = s.type
+            if isinstance(t, _ParamsOf):
+                by = sch.by_attr[t.by]
                 try:
-                    cls = s.type.schema_for(getattr(self, by.attr))
+                    t = _Struct(t.schema_for(getattr(self, by.attr)))
                 except _Bad as e:
                     raise ValueError(f"{sch.name}: field {by.key!r} {e}") from None
             try:
-                if isinstance(s.type, _ParamsOf):
-                    out[s.key] = s.type.dump(getattr(self, s.attr), cls)
-                else:
-                    out[s.key] = s.type.dump(getattr(self, s.attr))
+                out[s.key] = t.dump(getattr(self, s.attr))
             except _Bad as e:
                 raise ValueError(f"{sch.name}: field {s.key!r} {e}") from None
         return dict(sorted({**head, **out}.items()))
@@ -678,14 +690,16 @@ class Record:
             v = obj.get("v")
             if type(v) is not int or v != PROTOCOL_VERSION:  # not True, not 4.0
                 raise WireError(f"{sch.name}: protocol version must be {PROTOCOL_VERSION}, "
-                                f"got {v!r}")
-            if obj.get("kind") != sch.kind:
-                raise WireError(f"expected a {sch.kind} message, got kind {obj.get('kind')!r}")
+                                f"got {_show(v)}")
+            kind = obj.get("kind")
+            if kind != sch.kind:
+                raise WireError(f"expected a {sch.kind} message, got kind {_show(kind)}")
         got = set(obj)
         if got != sch.keys:
+            extra = sorted(map(_show, got - sch.keys))
             raise WireError(f"{sch.name}: must have exactly the fields {sorted(sch.keys)}; "
                             f"missing {sorted(sch.keys - got)}, unexpected "
-                            f"{sorted(map(repr, got - sch.keys))}")
+                            f"{extra[:8]}{' and more' if len(extra) > 8 else ''}")
         values: dict[str, Any] = {}
         later = []
         for s in sch.slots:
@@ -700,11 +714,11 @@ class Record:
             assert isinstance(s.type, _ParamsOf)
             by = sch.by_attr[s.type.by]
             try:
-                chosen = s.type.schema_for(values[by.attr])
+                chosen = _Struct(s.type.schema_for(values[by.attr]))
             except _Bad as e:
                 raise WireError(f"{sch.name}: field {by.key!r} {e}") from None
             try:
-                values[s.attr] = s.type.load(obj[s.key], limits, chosen)
+                values[s.attr] = chosen.load(obj[s.key], limits)
             except _Bad as e:
                 raise WireError(f"{sch.name}: field {s.key!r} {e}") from None
         try:
@@ -795,8 +809,10 @@ def _build_schema(cls: type, kind: str | None, signer: Role | None, party: str |
     if kind is not None:
         # the envelope: each key at its fixed attribute, present exactly when it must be
         need = {"round": "round_id"}
-        if party is not None:
-            need[party] = {"from": "sender", "to": "recipient"}[party]
+        if party in ("from", "both"):
+            need["from"] = "sender"
+        if party in ("to", "both"):
+            need["to"] = "recipient"
         if signer is not None:
             need["sig"] = "sig"
         for k in ("round", "from", "to", "sig"):
@@ -830,7 +846,13 @@ def record(cls: type[R]) -> type[R]:
     A record (or message) may define ``wire_check(self, limits)`` raising ``ValueError``
     for checks across fields that depend on :class:`Limits`; ``__post_init__`` does the
     others.
+
+    Raises:
+        TypeError: the class is a :class:`Message` (declare it with :func:`message`) or
+            breaks the rules :func:`message` names.
     """
+    if isinstance(cls, type) and issubclass(cls, Message):
+        raise TypeError(f"{cls.__name__} is a Message: declare it with @message(kind=...)")
     cls.__wire__ = _build_schema(cls, None, None, None, 0)
     return cls
 
@@ -844,12 +866,15 @@ def message(
         kind: the envelope's ``"kind"`` (a :func:`Name`: it is also a topic's last level).
         signer: :data:`DEVICE` (the sender signs), :data:`AGGREGATOR`, or None (unsigned).
         party: ``"from"`` (a device sends it), ``"to"`` (the aggregator sends it to one
-            device) or None (to every device); by default ``"from"`` for device-signed
-            kinds and ``"to"`` for aggregator-signed ones.
+            device), ``"both"`` (a device sends it to another device, the aggregator
+            relaying) or None (the aggregator, to every device); by default ``"from"`` for
+            device-signed kinds and ``"to"`` for aggregator-signed ones.
         context_bytes: 32 for kinds whose signature binds the round configuration's digest,
             0 otherwise.
 
     Raises:
+        ValueError: a bad argument (a kind that is not a name, an unknown party, a device
+            kind without its device, a context for an unsigned kind).
         TypeError: the class breaks the schema's rules (not a frozen, slotted, keyword-only
             dataclass of :class:`Message`; a field without a wire type; the envelope
             fields missing or extra).
@@ -863,10 +888,10 @@ def message(
             raise ValueError(f"{kind}: an unsigned kind must say its party ('from', 'to' "
                              f"or None)")
         party = "from" if signer is DEVICE else "to"
-    if party not in ("from", "to", None):
-        raise ValueError(f"party must be 'from', 'to' or None, got {party!r}")
-    if signer is DEVICE and party != "from":
-        raise ValueError(f"{kind}: a device-signed kind is sent by its device ('from')")
+    if party not in ("from", "to", "both", None):
+        raise ValueError(f"party must be 'from', 'to', 'both' or None, got {party!r}")
+    if signer is DEVICE and party not in ("from", "both"):
+        raise ValueError(f"{kind}: a device-signed kind names its device ('from' or 'both')")
     if context_bytes not in (0, 32) or (context_bytes and signer is None):
         raise ValueError(f"context_bytes must be 0, or 32 for a signed kind, got "
                          f"{context_bytes!r}")
@@ -945,7 +970,7 @@ def _unpack(data: object, limits: Limits) -> dict[str, Any]:
         raise WireError(f"a message must be a map, got {_type_name(obj)}")
     v = obj.get("v")
     if type(v) is not int or v != PROTOCOL_VERSION:  # not True, not 4.0
-        raise WireError(f"protocol version must be {PROTOCOL_VERSION}, got {v!r}")
+        raise WireError(f"protocol version must be {PROTOCOL_VERSION}, got {_show(v)}")
     return obj
 
 
@@ -953,7 +978,7 @@ def _class_of(obj: Mapping[str, Any], kinds: Mapping[str, type[Message]]) -> typ
     kind = obj.get("kind")
     cls = kinds.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise WireError(f"unknown message kind {kind!r}")
+        raise WireError(f"unknown message kind {_show(kind)}")
     return cls
 
 
@@ -979,7 +1004,7 @@ class Header:
     Attributes:
         kind: the message kind; round: its round id.
         sender: the device that sent it (None: the aggregator did).
-        recipient: the one device it is for (None: a device's message, or for everyone).
+        recipient: the one device it is for (None: for the aggregator, or for everyone).
     """
 
     kind: str
