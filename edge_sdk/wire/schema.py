@@ -736,10 +736,16 @@ class Record:
         Raises:
             ValueError: the first problem, named as :meth:`from_wire` names it.
         """
+        self._checked_wire(limits)
+
+    def _checked_wire(self, limits: Limits) -> dict[str, Any]:
+        """:meth:`to_wire`, after :meth:`from_wire` accepted it (ValueError otherwise)."""
+        wire = self.to_wire()
         try:
-            type(self).from_wire(self.to_wire(), limits)
+            type(self).from_wire(wire, limits)
         except WireError as e:
             raise ValueError(str(e)) from None
+        return wire
 
 
 class Message(Record):
@@ -760,6 +766,9 @@ class Message(Record):
             ValueError: the kind is not signed, ``context`` has the wrong length, or a field
                 holds a value of the wrong type.
         """
+        return self._signed(self.to_wire(), context)
+
+    def _signed(self, wire: dict[str, Any], context: bytes) -> bytes:
         cls = type(self)
         if cls.SIGNER is None:
             raise ValueError(f"{cls.KIND} messages are not signed")
@@ -767,9 +776,7 @@ class Message(Record):
             got = len(context) if isinstance(context, bytes) else _type_name(context)
             raise ValueError(f"{cls.KIND} is signed with a context of {cls.CONTEXT_BYTES} "
                              f"bytes, got {got}")
-        body = self.to_wire()
-        del body["sig"]
-        return SIGNING_LABEL + context + _pack(body)
+        return SIGNING_LABEL + context + _pack({k: v for k, v in wire.items() if k != "sig"})
 
 
 def _build_schema(cls: type, kind: str | None, signer: Role | None, party: str | None,
@@ -941,8 +948,7 @@ def encode(msg: Message, *, limits: Limits = LIMITS) -> bytes:
         raise ValueError(f"not a wire message: {_type_name(msg)}")
     if msg.SIGNER is not None and len(getattr(msg, "sig", b"")) != SIG_BYTES:
         raise ValueError(f"{msg.KIND} must be signed before it is encoded (see schema.sign)")
-    msg.validate(limits)
-    data = _pack(msg.to_wire())
+    data = _pack(msg._checked_wire(limits))
     if len(data) > limits.max_message_bytes:
         raise ValueError(f"{msg.KIND} of {len(data)} bytes exceeds "
                          f"{limits.max_message_bytes}")
@@ -1065,8 +1071,7 @@ def sign(msg: M, signer: Signer, *, context: bytes = b"", limits: Limits = LIMIT
     if msg.SIGNER is None:
         raise ValueError(f"{msg.KIND} messages are not signed")
     probe = replace(msg, sig=bytes(SIG_BYTES))  # type: ignore[type-var]
-    probe.validate(limits)
-    sig = signer.sign(probe.signing_bytes(context))
+    sig = signer.sign(probe._signed(probe._checked_wire(limits), context))
     if not isinstance(sig, bytes) or len(sig) != SIG_BYTES:
         raise ValueError(f"a signer must return {SIG_BYTES} bytes of Ed25519, got {sig!r:.40}")
     return replace(msg, sig=sig)  # type: ignore[type-var]
