@@ -30,20 +30,29 @@ Driving it (the MQTT service, or the tests' in-memory broker)::
     send(m.on_tick(now))                          # deadlines, round starts
 
 Every inbound message is validated (wire structure, topic = sender, enrolled device,
-signature, round, stage, cohort membership, sizes); a bad one is logged (logger
-``aggregator.rounds``, ``extra={"fedge": {...}}``) and changes nothing: no exception ever
-leaves :meth:`RoundMachine.on_message`.
+signature, round, stage, cohort membership, sizes); a bad one changes nothing and becomes a
+:class:`Rejected` event (a QoS 1 redelivery of one already accepted: :class:`Duplicate`):
+no exception ever leaves :meth:`RoundMachine.on_message`.
 
 Isolation between devices (``aggregator.guard``, which says why this design): every
 enrolled device's messages pass a token bucket (:class:`~aggregator.guard.FloodLimits`)
 before anything is decoded. A device that exceeds it is quarantined until the round open
 then (or, when idle, the next round) has ended: its messages are dropped unread, it no
 longer holds a stage open (secure aggregation recovers it as a dropout), and it is not
-selected. The machine tells its driver what happened as events (:meth:`take_events`):
-:class:`Quarantined`, :class:`Released`, :class:`Resent`, :class:`StatusSeen`; the MQTT
-service turns them into log lines, metrics and (un)subscriptions
+selected.
+
+Events (h11 style): the machine tells its driver what happened as frozen values, oldest
+first, from :meth:`take_events`: the round's course (:class:`RoundStarted`,
+:class:`StageChanged`, :class:`RoundEnded`), its peers (:class:`Rejected`,
+:class:`Duplicate`, :class:`Declined`, :class:`StatusSeen`) and the isolation between
+them (:class:`Quarantined`, :class:`Released`, :class:`Resent`). Drivers learn from these
+alone, never by diffing the machine's state or listening to its log (which is for
+humans): the MQTT service turns them into JSON log lines, metrics and (un)subscriptions
 (``subscriptions(per_device=True)`` lists per-device filters, so that unsubscribing one
-device makes the broker discard its traffic).
+device makes the broker discard its traffic), the fleet simulator into its round records.
+Within one call the order is the order things happened: a round's last call gives any
+:class:`Released` (the round's end lifts quarantines), then :class:`RoundEnded`, then the
+:class:`StageChanged` to ``"idle"``.
 
 Persistence: :meth:`RoundMachine.snapshot` is the complete state as bytes (model,
 optimizer state, check-ins, the round with its secure-aggregation server); the injected
@@ -95,14 +104,20 @@ from edge_sdk.wire import (
 )
 
 __all__ = [
+    "Declined",
+    "Duplicate",
     "Event",
     "Quarantined",
+    "Rejected",
     "Released",
     "Resent",
+    "RoundEnded",
     "RoundMachine",
     "RoundOutcome",
     "RoundPolicy",
+    "RoundStarted",
     "SnapshotError",
+    "StageChanged",
     "StatusSeen",
 ]
 
@@ -307,7 +322,79 @@ class StatusSeen:
     removed: bool
 
 
-Event = Quarantined | Released | Resent | StatusSeen
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rejected:
+    """A message refused; it changed nothing.
+
+    Attributes:
+        topic: where it came; device: the device that topic names (None: not a
+            ``fedge/<fleet>/<kind>/<device>...`` topic; named, not necessarily enrolled).
+        reason: what was wrong with it (names the bad value).
+        round_id, stage: the open round (None when idle) and ``RoundMachine.stage`` when
+            it came.
+    """
+
+    topic: str
+    device: str | None
+    reason: str
+    round_id: int | None
+    stage: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Duplicate:
+    """A redelivery of a message already accepted (QoS 1 delivers at least once): ignored,
+    harmless. Fields as in :class:`Rejected`."""
+
+    topic: str
+    device: str | None
+    reason: str
+    round_id: int | None
+    stage: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Declined:
+    """``device``, in round ``round_id``'s cohort, declined it (``reason``: the device's,
+    e.g. ``"budget"``); the stage no longer waits for it."""
+
+    device: str
+    round_id: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundStarted:
+    """Round ``round_id`` started: its plan goes to ``cohort`` (sorted), who train from
+    model ``model_version``."""
+
+    round_id: int
+    cohort: tuple[str, ...]
+    model_version: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageChanged:
+    """Round ``round_id`` moved from stage ``prev`` to ``stage`` (``RoundMachine.stage``
+    values; ``"idle"`` before the round's first stage and after its end)."""
+
+    round_id: int
+    stage: str
+    prev: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundEnded:
+    """A round ended: ``outcome`` (also the newest entry of ``RoundMachine.history``);
+    ``cohort``: the devices its plan went to; ``declined``: those of them that declined."""
+
+    outcome: RoundOutcome
+    cohort: tuple[str, ...]
+    declined: tuple[str, ...]
+
+
+Event = (Quarantined | Released | Resent | StatusSeen | Rejected | Duplicate | Declined
+         | RoundStarted | StageChanged | RoundEnded)
 
 
 @dataclass(slots=True)
@@ -360,6 +447,13 @@ def _topic_device(topic: str, fleet: str) -> str | None:
         if parts[2] == "status" and len(parts) == 4:
             return parts[3]
     return None
+
+
+def _named_device(topic: str) -> str | None:
+    """The device a ``fedge/<fleet>/<kind>/<device>...`` topic names (any fleet, enrolled
+    or not; None for other topics): whom a refusal is about."""
+    parts = topic.split("/")
+    return parts[3] if len(parts) > 3 and parts[0] == "fedge" else None
 
 
 def _parse_topic(topic: str, fleet: str) -> tuple[str, str, str] | None:
@@ -547,6 +641,9 @@ class RoundMachine:
         try:
             return self._handle(topic, payload, now)
         except ReplayedMessage as e:  # QoS 1 redelivery: expected, harmless
+            self._events.append(Duplicate(
+                topic=topic, device=_named_device(topic), reason=str(e),
+                round_id=self._round.plan.round_id if self._round else None, stage=self.stage))
             logger.debug("duplicate ignored: %s", e,
                          extra={"fedge": {"event": "duplicate", "topic": topic,
                                           "reason": str(e)}})
@@ -583,6 +680,9 @@ class RoundMachine:
                             dropped)
 
     def _reject(self, topic: str, reason: str) -> None:
+        self._events.append(Rejected(
+            topic=topic, device=_named_device(topic), reason=reason,
+            round_id=self._round.plan.round_id if self._round else None, stage=self.stage))
         logger.warning("rejected message on %s: %s", topic, reason, extra={"fedge": {
             "event": "rejected", "topic": topic, "reason": reason,
             "round": self._round.plan.round_id if self._round else None, "stage": self.stage}})
@@ -628,6 +728,8 @@ class RoundMachine:
             if device in r.declined:
                 raise ReplayedMessage(f"decline from {device!r} already recorded")
             r.declined.add(device)
+            self._events.append(Declined(device=device, round_id=r.plan.round_id,
+                                         reason=msg.reason))
             logger.info("%s declined round %d: %s", device, r.plan.round_id, msg.reason,
                         extra={"fedge": {"event": "declined", "device": device,
                                          "round": r.plan.round_id, "reason": msg.reason}})
@@ -695,6 +797,7 @@ class RoundMachine:
     def _close_stage(self, now: float, why: str) -> list[Publish]:
         r = self._round
         assert r is not None
+        prev = r.stage
         have = self._answered(r)
         need = r.plan.min_survivors
         # recovery needs t answers per neighbourhood, not min_survivors: finalize() judges
@@ -716,6 +819,8 @@ class RoundMachine:
         fleet = self.policy.fleet
         r.outbox = [Publish(wire.device_down_topic(fleet, dev, "secagg"),
                             wire.encode(SecAggPacket.wrap(m))) for dev, m in sorted(out.items())]
+        self._events.append(StageChanged(round_id=r.plan.round_id, stage=r.stage.value,
+                                         prev=prev.value))
         logger.info("round %d: %s closed (%s), %d devices go on", r.plan.round_id,
                     why, r.stage.value, len(out), extra={"fedge": {
                         "event": "stage", "round": r.plan.round_id, "stage": r.stage.value,
@@ -760,6 +865,7 @@ class RoundMachine:
         self._round = None
         self._startable_since = None
         self._release(plan.round_id)
+        self._ended(r)
         self._save()
         return [self._model_publish()]
 
@@ -784,11 +890,20 @@ class RoundMachine:
             for dev in plan.cohort if dev not in r.declined
         ]
         self._release(plan.round_id)
+        self._ended(r)
         self._save()
         return out
 
     def _record(self, outcome: RoundOutcome) -> None:
         self._history = [*self._history, outcome][-_HISTORY:]
+
+    def _ended(self, r: _Round) -> None:
+        """The events of ``r``'s end, once its outcome is recorded and its quarantines
+        released (so that the driver sees those first)."""
+        self._events.append(RoundEnded(outcome=self._history[-1], cohort=r.plan.cohort,
+                                       declined=tuple(sorted(r.declined))))
+        self._events.append(StageChanged(round_id=r.plan.round_id, stage="idle",
+                                         prev=r.stage.value))
 
     # ------------------------------------------------------------------ starting
 
@@ -847,6 +962,9 @@ class RoundMachine:
         self._last_round = round_id
         for dev in cohort:  # they check in again when the round is over
             self._available.pop(dev, None)
+        self._events.append(RoundStarted(round_id=round_id, cohort=cohort,
+                                         model_version=self._version))
+        self._events.append(StageChanged(round_id=round_id, stage=self.stage, prev="idle"))
         logger.info("round %d started: %d devices, model version %d", round_id, n,
                     self._version, extra={"fedge": {"event": "round_started",
                                                     "round": round_id, "cohort": list(cohort)}})

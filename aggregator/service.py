@@ -26,15 +26,17 @@ Observability:
   ``stage`` (round, stage, prev, prev_s: seconds in the previous stage, round_s),
   ``round_end`` (round, completed, cohort, survivors, declined, dropped, bytes_in,
   bytes_out, duration_s, model_version, detail, uploaded: devices whose upload was
-  accepted, i.e. who spent budget on the round), ``rejected`` and ``duplicate`` (topic,
-  reason, round, stage: refused inbound messages, from ``aggregator.rounds``; at most
+  accepted, i.e. who spent budget on the round), ``rejected`` (topic, reason, round,
+  stage) and ``duplicate`` (topic, reason): refused inbound messages; at most
   ``log_per_key`` lines per device and reason class per ``log_interval_s``, then one
   ``suppressed`` line per key and interval with the count not written), ``declined``
   (device, round, reason), ``status`` (device, status, removed: every message on a
   device's status topic), ``quarantined`` (device, round, until_round, stage: a device
   over its flood limits, see ``aggregator.guard``), ``released`` (device, dropped),
   ``resent`` (round, stage, devices, attempt), ``stop`` (with ``max_rss_kib``, the
-  process's peak resident memory).
+  process's peak resident memory). Every line but ``start``, ``stop`` and ``suppressed``
+  is one of the round machine's events (``RoundMachine.take_events``, taken after every
+  call): the service learns what happened from them alone.
 * The service subscribes per device and unsubscribes a quarantined device's filters, so
   the broker discards its traffic until the quarantine ends (``aggregator.guard``).
 * Prometheus text exposition (``prometheus-client``, the ``gateway`` extra) on
@@ -62,11 +64,18 @@ import numpy as np
 
 from aggregator.guard import FloodLimits, LogLimiter, Suppressed
 from aggregator.rounds import (
+    Declined,
+    Duplicate,
+    Event,
     Quarantined,
+    Rejected,
     Released,
     Resent,
+    RoundEnded,
     RoundMachine,
     RoundPolicy,
+    RoundStarted,
+    StageChanged,
     StatusSeen,
 )
 from aggregator.store import CheckpointStore
@@ -320,23 +329,9 @@ class _Metrics:
             self._server = None
 
 
-class _JsonLog(logging.Handler):
-    """Turns ``aggregator.rounds`` records about peers into JSON log lines."""
-
-    EVENTS = ("rejected", "duplicate", "declined")
-
-    def __init__(self, service: AggregatorService) -> None:
-        super().__init__(logging.DEBUG)
-        self._service = service
-
-    def emit(self, record: logging.LogRecord) -> None:
-        info = getattr(record, "fedge", None)
-        if isinstance(info, dict) and info.get("event") in self.EVENTS:
-            self._service._peer_event(dict(info))  # noqa: SLF001
-
-
 class _Observed:
-    """The MQTT endpoint: the round machine, watched for stage changes and bytes."""
+    """The MQTT endpoint: the round machine, its bytes counted and its events taken after
+    every call."""
 
     def __init__(self, service: AggregatorService) -> None:
         self._s = service
@@ -416,22 +411,9 @@ class AggregatorService:
         self.metrics_port: int | None = None
         self._bytes_in = self._bytes_out = 0
         self._round_bytes = (0, 0)
-        self._declined: dict[int, int] = {}
         self._limiter = LogLimiter(interval_s=config.log_interval_s,
                                    per_key=config.log_per_key)
-        now = clock()
-        plan = self.machine.current_plan
-        self._seen = (None if plan is None else plan.round_id, self.machine.stage)
-        self._stage_since = self._round_since = now
-        self._last_outcome = max((o.round_id for o in self.machine.history), default=0)
-        self._cohort: dict[int, int] = {} if plan is None else {plan.round_id: len(plan.cohort)}
-        self._handler = _JsonLog(self)
-        rounds_log = logging.getLogger("aggregator.rounds")
-        rounds_log.addHandler(self._handler)
-        if rounds_log.getEffectiveLevel() > logging.DEBUG:
-            # the JSON log reports duplicates (DEBUG) and declines (INFO) too; the handler
-            # alone decides what is written, other handlers keep their own levels
-            rounds_log.setLevel(logging.DEBUG)
+        self._stage_since = self._round_since = clock()
         self._stop = False
         self._closed = False
         self.loop = MqttLoop(
@@ -439,11 +421,12 @@ class AggregatorService:
                           ca_file=None if config.ca_file is None else str(config.ca_file)),
             rng=random.Random(int.from_bytes(random_bytes(8), "big")), clock=clock,
             tick_s=config.tick_s)
+        self.endpoint = _Observed(self)  # what the loop drives (the broker's client)
         self.loop.add(ClientConfig(username=config.username, password=password,
                                    keepalive_s=config.keepalive_s,
                                    backoff_initial_s=config.backoff_initial_s,
                                    backoff_max_s=config.backoff_max_s, max_inflight=100),
-                      _Observed(self))
+                      self.endpoint)
         self._gauges()
         try:
             if config.metrics_port is not None:
@@ -453,8 +436,9 @@ class AggregatorService:
             raise ConfigError(f"metrics endpoint {config.metrics_host}:{config.metrics_port}: "
                               f"{e.strerror or e}") from None
         last = self.machine.history[-1].round_id if self.machine.history else None
+        rnd = self._open_round()
         self.log({"event": "start", "resumed": self.resumed, "fleet": config.fleet,
-                  "round": self._seen[0] if self._seen[0] is not None else last,
+                  "round": rnd if rnd is not None else last,
                   "stage": self.machine.stage, "model_version": self.machine.model_version,
                   "metrics_port": self.metrics_port, "pid": os.getpid()})
 
@@ -485,12 +469,12 @@ class AggregatorService:
         finally:
             self._detach()
             self._suppressed(self._limiter.flush(math.inf))
-            self.log({"event": "stop", "round": self._seen[0], "stage": self.machine.stage,
+            self.log({"event": "stop", "round": self._open_round(),
+                      "stage": self.machine.stage,
                       "model_version": self.machine.model_version,
                       "max_rss_kib": _peak_rss_kib()})
 
     def _detach(self) -> None:
-        logging.getLogger("aggregator.rounds").removeHandler(self._handler)
         self.metrics.shutdown()
 
     def __enter__(self) -> AggregatorService:
@@ -506,97 +490,99 @@ class AggregatorService:
         self._out.write(json.dumps({"ts": round(self._wall(), 3), **event}) + "\n")
         self._out.flush()
 
-    def _peer_event(self, info: dict[str, Any]) -> None:
-        if info["event"] in ("rejected", "duplicate"):
-            self.metrics.rejected.inc()
-            topic = str(info.get("topic", ""))
-            parts = topic.split("/")
-            device = parts[3] if len(parts) > 3 and parts[0] == "fedge" else "?"
-            write, done = self._limiter.admit(
-                device, f"{info['event']}: {info.get('reason', '')}", self._clock())
-            self._suppressed(done)
-            if not write:
-                self.metrics.suppressed.inc()
-                return
-        elif info["event"] == "declined" and isinstance(info.get("round"), int):
-            self._declined[info["round"]] = self._declined.get(info["round"], 0) + 1
-        self.log(info)
+    def _open_round(self) -> int | None:
+        plan = self.machine.current_plan
+        return None if plan is None else plan.round_id
+
+    def _refused(self, line: dict[str, Any], device: str | None, now: float) -> None:
+        """A refused message's line, at most ``log_per_key`` per device and reason class
+        per interval (a flood of bad messages must not become a flood of lines)."""
+        self.metrics.rejected.inc()
+        write, done = self._limiter.admit("?" if device is None else device,
+                                          f"{line['event']}: {line['reason']}", now)
+        self._suppressed(done)
+        if not write:
+            self.metrics.suppressed.inc()
+            return
+        self.log(line)
 
     def _suppressed(self, done: list[Suppressed]) -> None:
         for s in done:
             self.log({"event": "suppressed", "device": s.device, "reason": s.reason,
                       "count": s.count, "interval_s": s.interval_s})
 
-    def _machine_events(self) -> None:
+    def _event(self, ev: Event, now: float, sent: int) -> None:
+        """One event of the machine's: its log line and metrics (``sent``: the bytes of
+        the call's output, already counted; they belong to a round that starts in it)."""
         agg = self.config.username
-        for ev in self.machine.take_events():
-            if isinstance(ev, Quarantined):
-                self.metrics.quarantined.labels(device=ev.device).inc()
-                self.loop.unsubscribe(agg, self.machine.device_subscriptions(ev.device))
-                self.log({"event": "quarantined", "device": ev.device, "round": ev.round_id,
-                          "until_round": ev.until_round, "stage": ev.stage,
-                          "burst": self.config.flood_burst, "rate": self.config.flood_rate})
-            elif isinstance(ev, Released):
-                self.metrics.flood_dropped.labels(device=ev.device).inc(ev.dropped)
-                self.loop.subscribe(agg, self.machine.device_subscriptions(ev.device))
-                self.log({"event": "released", "device": ev.device, "dropped": ev.dropped})
-            elif isinstance(ev, Resent):
-                self.metrics.resent.inc(len(ev.devices))
-                self.log({"event": "resent", "round": ev.round_id, "stage": ev.stage,
-                          "devices": list(ev.devices), "attempt": ev.attempt})
-            elif isinstance(ev, StatusSeen):
-                self.metrics.status.labels(
-                    status=ev.status if ev.status in ("online", "offline") else "other").inc()
-                self.log({"event": "status", "device": ev.device, "status": ev.status,
-                          "removed": ev.removed})
-        self.metrics.in_quarantine.set(len(self.machine.quarantined))
+        if isinstance(ev, Rejected):
+            self._refused({"event": "rejected", "topic": ev.topic, "reason": ev.reason,
+                           "round": ev.round_id, "stage": ev.stage}, ev.device, now)
+        elif isinstance(ev, Duplicate):
+            self._refused({"event": "duplicate", "topic": ev.topic, "reason": ev.reason},
+                          ev.device, now)
+        elif isinstance(ev, Declined):
+            self.log({"event": "declined", "device": ev.device, "round": ev.round_id,
+                      "reason": ev.reason})
+        elif isinstance(ev, RoundStarted):
+            self._round_since = now
+            self._round_bytes = (self._bytes_in, self._bytes_out - sent)
+        elif isinstance(ev, StageChanged):
+            self.metrics.stage_seconds.labels(stage=ev.prev).observe(now - self._stage_since)
+            self.log({"event": "stage", "round": ev.round_id, "stage": ev.stage,
+                      "prev": ev.prev, "prev_s": round(now - self._stage_since, 3),
+                      "round_s": round(now - self._round_since, 3)})
+            self._stage_since = now
+        elif isinstance(ev, RoundEnded):
+            self._round_end(ev, now)
+        elif isinstance(ev, Quarantined):
+            self.metrics.quarantined.labels(device=ev.device).inc()
+            self.loop.unsubscribe(agg, self.machine.device_subscriptions(ev.device))
+            self.log({"event": "quarantined", "device": ev.device, "round": ev.round_id,
+                      "until_round": ev.until_round, "stage": ev.stage,
+                      "burst": self.config.flood_burst, "rate": self.config.flood_rate})
+        elif isinstance(ev, Released):
+            self.metrics.flood_dropped.labels(device=ev.device).inc(ev.dropped)
+            self.loop.subscribe(agg, self.machine.device_subscriptions(ev.device))
+            self.log({"event": "released", "device": ev.device, "dropped": ev.dropped})
+        elif isinstance(ev, Resent):
+            self.metrics.resent.inc(len(ev.devices))
+            self.log({"event": "resent", "round": ev.round_id, "stage": ev.stage,
+                      "devices": list(ev.devices), "attempt": ev.attempt})
+        elif isinstance(ev, StatusSeen):
+            self.metrics.status.labels(
+                status=ev.status if ev.status in ("online", "offline") else "other").inc()
+            self.log({"event": "status", "device": ev.device, "status": ev.status,
+                      "removed": ev.removed})
 
     def _gauges(self) -> None:
         m = self.machine
-        rnd, stage = self._seen
+        rnd = self._open_round()
         last = m.history[-1].round_id if m.history else 0
         self.metrics.round.set(rnd if rnd is not None else last)
         for s in _STAGES:
-            self.metrics.stage.labels(stage=s).set(1 if s == stage else 0)
+            self.metrics.stage.labels(stage=s).set(1 if s == m.stage else 0)
         self.metrics.model_version.set(m.model_version)
+        self.metrics.in_quarantine.set(len(m.quarantined))
 
     def _after(self, out: list[Publish], now: float) -> list[Publish]:
-        m = self.machine
         sent = sum(len(p.payload) for p in out)
         self._bytes_out += sent
         self.metrics.sent.inc(sent)
-        self._machine_events()
-        for o in m.history:  # the history is capped: compare round ids, not lengths
-            if o.round_id > self._last_outcome:
-                self._last_outcome = o.round_id
-                self._round_end(o, now)
-        plan = m.current_plan
-        seen = (None if plan is None else plan.round_id, m.stage)
-        if seen != self._seen:
-            prev_round, prev = self._seen
-            if plan is not None and plan.round_id != prev_round:
-                self._round_since = now
-                self._cohort[plan.round_id] = len(plan.cohort)
-                self._round_bytes = (self._bytes_in, self._bytes_out - sent)
-            self.metrics.stage_seconds.labels(stage=prev).observe(now - self._stage_since)
-            self.log({"event": "stage", "round": seen[0] if seen[0] is not None else prev_round,
-                      "stage": seen[1], "prev": prev, "prev_s": round(now - self._stage_since, 3),
-                      "round_s": round(now - self._round_since, 3)})
-            self._stage_since = now
-            self._seen = seen
+        for ev in self.machine.take_events():
+            self._event(ev, now, sent)
         self._gauges()
         return out
 
-    def _round_end(self, o: Any, now: float) -> None:
-        cohort = self._cohort.pop(o.round_id, None)
-        declined = self._declined.pop(o.round_id, 0)
-        survivors = len(o.survivors)
-        dropped = None if cohort is None else max(0, cohort - survivors - declined)
+    def _round_end(self, ev: RoundEnded, now: float) -> None:
+        o = ev.outcome
+        cohort, declined, survivors = len(ev.cohort), len(ev.declined), len(o.survivors)
+        dropped = max(0, cohort - survivors - declined)
         b_in, b_out = self._round_bytes
         duration = now - self._round_since
         self.metrics.rounds.labels(result="completed" if o.completed else "failed").inc()
         self.metrics.survivors.set(survivors)
-        self.metrics.dropped.set(dropped or 0)
+        self.metrics.dropped.set(dropped)
         self.metrics.round_seconds.set(duration)
         if not o.completed:
             self.metrics.failed_uploads.inc(len(o.uploaded))

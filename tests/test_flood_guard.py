@@ -12,7 +12,7 @@ import pytest
 from test_session_rounds import Fleet, _check_sums, _down_kind
 
 from aggregator.guard import FloodGuard, FloodLimits, LogLimiter, reason_class
-from aggregator.rounds import Quarantined, Released, Resent, StatusSeen
+from aggregator.rounds import Quarantined, Rejected, Released, Resent, StatusSeen
 from edge_sdk import wire
 from edge_sdk.wire import Publish
 
@@ -143,13 +143,18 @@ def test_a_flooding_device_is_quarantined_and_the_round_goes_on(
                                               chunk))
     fleet.broker.run(fleet.now)
     assert m.quarantined == frozenset() and m.snapshot() == before
+    refused = Rejected(topic=wire.device_up_topic(FLEET, flooder, "chunk"), device=flooder,
+                       reason=f"upload chunk from {flooder!r} in stage collect_unmask",
+                       round_id=1, stage="collect_unmask")
+    assert m.take_events() == [refused] * (FloodLimits().burst // 2)
     for _ in range(5000):
         fleet.broker.publish(flooder, Publish(wire.device_up_topic(FLEET, flooder, "chunk"),
                                               chunk))
     fleet.broker.run(fleet.now)
     ev = m.take_events()
-    assert ev == [Quarantined(device=flooder, round_id=1, until_round=1,
-                              stage="collect_unmask")]
+    assert ev[-1:] == [Quarantined(device=flooder, round_id=1, until_round=1,
+                                   stage="collect_unmask")]
+    assert set(ev[:-1]) == {refused}  # what was left of its burst, refused one by one
     assert m.quarantined == {flooder}
     assert flooder not in m.waiting_for
     subs = m.subscriptions(per_device=True)

@@ -434,11 +434,16 @@ def _add_aggregator(sub: argparse._SubParsersAction) -> None:
 
 
 def _aggregator(args: argparse.Namespace) -> int:
+    import logging
     import signal
 
     from aggregator.service import AggregatorConfig, AggregatorService
     from models import ONNX_DIR
 
+    # What the round machine logs (for humans) about peers is in the JSON log too, rate
+    # limited per device; without a handler, logging's last resort would copy every refused
+    # message's line to stderr, unbounded.
+    logging.getLogger("aggregator.rounds").addHandler(logging.NullHandler())
     config = AggregatorConfig.from_toml(args.config, zoo_dir=ONNX_DIR)
     service = AggregatorService(config)
     signal.signal(signal.SIGTERM, lambda *_: service.stop())

@@ -51,7 +51,14 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from aggregator.rounds import RoundMachine, RoundOutcome, RoundPolicy
+from aggregator.rounds import (
+    Event,
+    RoundEnded,
+    RoundMachine,
+    RoundOutcome,
+    RoundPolicy,
+    RoundStarted,
+)
 from aggregator.store import CheckpointStore
 from edge_sdk import secagg, wire
 from edge_sdk.csprng import seeded_round_rng
@@ -282,16 +289,17 @@ class DeviceAgent:
 
 class AggregatorAgent:
     """The aggregator endpoint around a ``RoundMachine``: counts bytes, drops status
-    messages, and jumps its clock to the stage deadline once only vanished devices are
-    awaited (see the module docstring)."""
+    messages, jumps its clock to the stage deadline once only vanished devices are
+    awaited (see the module docstring), and hands the machine's events to ``on_event``
+    after each call, before that call's output is counted."""
 
     def __init__(self, machine: RoundMachine, *, gone: set[str], meter: Meter,
-                 on_output: Callable[[], None]) -> None:
+                 on_event: Callable[[Event], None]) -> None:
         self.machine = machine
         self.gone_set = gone
         self.meter = meter
         self.offset = 0.0  # simulated seconds added to the transport's clock
-        self._on_output = on_output
+        self._on_event = on_event
 
     def subscriptions(self) -> list[str]:
         return self.machine.subscriptions()
@@ -318,8 +326,8 @@ class AggregatorAgent:
             out = out + m.on_tick(now + self.offset)
             if m.deadline == deadline and m.waiting_for == waiting:
                 break  # the machine did not close the stage (e.g. just restored)
-        if out:
-            self._on_output()
+        for ev in m.take_events():
+            self._on_event(ev)
         return _count(out, False, self.meter)
 
 
@@ -395,9 +403,10 @@ class Fleet:
                                          schedule=self.schedule, gone=self.gone,
                                          meter=self.meter)
         self.aggregator = AggregatorAgent(self.machine, gone=self.gone, meter=self.meter,
-                                          on_output=self._note_start)
+                                          on_event=self._note)
         self.records: dict[int, _RoundRecord] = {}
         self.outcomes: dict[int, RoundOutcome] = {}
+        self._ended: list[RoundOutcome] = []  # rounds that ended, not yet recorded
         self.rows: list[dict[str, Any]] = []
         self.eps_local = 0.0
         self.eps_aggregate = 0.0
@@ -441,12 +450,15 @@ class Fleet:
 
     # -- observing ---------------------------------------------------------------------
 
-    def _note_start(self) -> None:
-        plan = self.machine.current_plan
-        if plan is not None and plan.round_id not in self.records:
-            self.records[plan.round_id] = _RoundRecord(
-                round_id=plan.round_id, cohort=plan.cohort, started=time.perf_counter(),
+    def _note(self, ev: Event) -> None:
+        """A machine event: a round's start is timed and metered from here (its plans
+        not yet counted); its end is recorded at the next :meth:`observe`."""
+        if isinstance(ev, RoundStarted):
+            self.records[ev.round_id] = _RoundRecord(
+                round_id=ev.round_id, cohort=ev.cohort, started=time.perf_counter(),
                 meter_before=self.meter.snapshot())
+        elif isinstance(ev, RoundEnded):
+            self._ended.append(ev.outcome)
 
     def _evaluate(self, params: list[np.ndarray]) -> float:
         return evaluate(self.engine, params, self.data.x_test, self.data.y_test,
@@ -456,11 +468,10 @@ class Fleet:
         """Record rounds that ended, bring their vanished devices back; True when done."""
         if self.on_step is not None:
             self.on_step()
-        hist = self.machine.history
-        if hist and hist[-1].round_id not in self.outcomes:
-            for o in hist:
-                if o.round_id not in self.outcomes:
-                    self._record(o)
+        if self._ended:
+            ended, self._ended = self._ended, []
+            for o in ended:
+                self._record(o)
             for n in list(self.gone):
                 self.agents[n].revive()
         return len(self.outcomes) >= self.cfg.rounds
