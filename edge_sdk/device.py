@@ -58,7 +58,16 @@ from edge_sdk.config import (
 from edge_sdk.csprng import secure_round_rng
 from edge_sdk.ledger import Budget, Ledger
 from edge_sdk.mqtt import BrokerAddress, ClientConfig, MqttLoop
-from edge_sdk.session import DeviceSession
+from edge_sdk.session import (
+    CheckedIn,
+    Declined,
+    DeviceSession,
+    ModelAdopted,
+    RoundClosed,
+    RoundOpened,
+    SessionEvent,
+    Uploaded,
+)
 from edge_sdk.wire import Publish
 
 __all__ = ["DataInput", "Device", "DeviceConfig"]
@@ -263,7 +272,7 @@ class _Data:
 
 
 class _Agent:
-    """The MQTT endpoint: the session plus round bookkeeping and event reports."""
+    """The MQTT endpoint: the session, plus the event reports made from its events."""
 
     def __init__(self, session: DeviceSession, data: _Data,
                  on_event: Callable[[dict[str, Any]], None]) -> None:
@@ -271,9 +280,6 @@ class _Agent:
         self._data = data
         self._emit = on_event
         self.contributed = 0  # rounds this device uploaded to that ended with a new model
-        self._open: tuple[int, int] | None = None  # (round, model version) while in a round
-        self._version = session.model_version
-        self._uploaded: set[int | None] = set()
 
     def subscriptions(self) -> list[str]:
         return self.session.subscriptions()
@@ -289,39 +295,30 @@ class _Agent:
         return self._after(self.session.on_tick(now))
 
     def _after(self, out: list[Publish]) -> list[Publish]:
-        s = self.session
-        if s.model_version != self._version:
-            self._version = s.model_version
-            self._emit({"event": "model", "model_version": s.model_version})
-        rnd = s.round_id
-        if self._open is not None and rnd != self._open[0]:
-            r, version = self._open
-            self._open = None
-            completed = s.model_version > version and s.encoded_input(r) is not None
-            if completed:
-                self.contributed += 1
-            self._emit({"event": "round_end", "round": r, "contributed": completed,
-                        "model_version": s.model_version})
-        if rnd is not None and self._open is None:
-            self._open = (rnd, s.model_version)
-            self._data.trained()
-            self._emit({"event": "round", "round": rnd, "model_version": s.model_version})
-        chunks = [p for p in out if p.topic.endswith("/up/chunk")]
-        if chunks:
-            # the same upload again (the aggregator re-sent its request after a restart)
-            # is "resent"; "uploaded" happens once per round and process
-            first = rnd not in self._uploaded
-            self._uploaded.add(rnd)
-            self._emit({"event": "uploaded" if first else "resent", "round": rnd,
-                        "chunks": len(chunks), "bytes": sum(len(p.payload) for p in chunks)})
-        for p in out:
-            if p.topic.endswith("/up/decline"):
-                msg = wire.decode(p.payload)
-                self._emit({"event": "declined", "round": msg.round_id,  # type: ignore[union-attr]
-                            "reason": msg.reason})  # type: ignore[union-attr]
-            elif p.topic.endswith("/up/checkin"):
-                self._emit({"event": "checkin", "model_version": s.model_version})
+        for event in self.session.take_events():
+            self._report(event)
         return out
+
+    def _report(self, e: SessionEvent) -> None:
+        if isinstance(e, ModelAdopted):
+            self._emit({"event": "model", "model_version": e.version})
+        elif isinstance(e, RoundClosed):
+            if e.contributed:
+                self.contributed += 1
+            self._emit({"event": "round_end", "round": e.round_id,
+                        "contributed": e.contributed, "model_version": e.model_version})
+        elif isinstance(e, RoundOpened):
+            self._data.trained()
+            self._emit({"event": "round", "round": e.round_id,
+                        "model_version": e.model_version})
+        elif isinstance(e, Uploaded):
+            # the same upload again (the aggregator re-sent its request) is "resent"
+            self._emit({"event": "resent" if e.resent else "uploaded", "round": e.round_id,
+                        "chunks": e.parts, "bytes": e.size})
+        elif isinstance(e, Declined):
+            self._emit({"event": "declined", "round": e.round_id, "reason": e.reason})
+        elif isinstance(e, CheckedIn):
+            self._emit({"event": "checkin", "model_version": e.model_version})
 
 
 @dataclass(slots=True)

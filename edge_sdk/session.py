@@ -8,6 +8,7 @@ A :class:`DeviceSession` is what ``edge_sdk.device`` (the MQTT adapter) drives::
     send(s.on_connect(now))                     # check-in
     send(s.on_message(topic, payload, now))     # plan, secagg, model, error
     send(s.on_tick(now))                        # gives up on a round gone silent
+    for event in s.take_events(): ...           # what happened (see below)
 
 One round (DESIGN, "One round, as data flows"), for a device in the plan's cohort:
 
@@ -56,6 +57,14 @@ uploads, which stops an aggregator that unmasks too small a sum by its own accou
 one that lies about the count. The aggregate view also assumes at most
 ``plan.max_colluders`` cohort members collude with the aggregator (``RoundPlan``).
 
+What happened is told as events (frozen dataclasses, h11 style), taken with
+:meth:`DeviceSession.take_events` after each call, so an adapter never infers it from the
+publishes: :class:`CheckedIn`, :class:`ModelAdopted`, :class:`RoundOpened` (reserved,
+trained, keys advertised), :class:`Declined` (with the reason the decline carries),
+:class:`Uploaded` (the masked input left; ``resent`` for the same upload again) and
+:class:`RoundClosed` (why the device left the round, and whether it had uploaded). Each is
+emitted once, when it happens; a rejected message emits nothing.
+
 An exact duplicate of an
 aggregator message already answered gets the same answer again (QoS 1 redelivery, or an
 aggregator restarted from its checkpoint); anything else invalid is logged (logger
@@ -67,6 +76,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -92,7 +102,17 @@ from edge_sdk.wire import (
     SecAggPacket,
 )
 
-__all__ = ["DataSource", "DeviceSession"]
+__all__ = [
+    "CheckedIn",
+    "DataSource",
+    "Declined",
+    "DeviceSession",
+    "ModelAdopted",
+    "RoundClosed",
+    "RoundOpened",
+    "SessionEvent",
+    "Uploaded",
+]
 
 logger = logging.getLogger("edge_sdk.session")
 
@@ -101,6 +121,93 @@ DataSource = Callable[[], tuple[np.ndarray, np.ndarray]]
 
 _GIVE_UP_STAGES = 6  # a round silent for this many stage timeouts is over for the device
 _KEPT_INPUTS = 8
+_EVENTS = 1024  # events kept for a driver that does not take them (oldest dropped)
+
+# Why a device leaves a round (RoundClosed.reason), besides the code of the aggregator's
+# error notice that ends it.
+_NEW_MODEL = "new model"
+_SUPERSEDED = "superseded"
+_SILENT = "silent"
+
+
+# ---------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckedIn:
+    """A check-in left: on connect, when a round ends, or repeated (``checkin_every``).
+    Its fields are the check-in's: the adopted model, the local data set's size (samples)
+    and the ledger's remaining epsilon."""
+
+    model_version: int
+    data_size: int
+    remaining_epsilon: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelAdopted:
+    """The device adopted global model ``version`` (made by round ``round_id``; 0: the
+    initial model). A redelivery of the model it holds is not an adoption."""
+
+    version: int
+    round_id: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundOpened:
+    """The device is in round ``round_id``: the spend is reserved in the ledger, it
+    trained on model ``model_version`` and advertised its keys. ``length``: coordinates
+    of its input to the sum; ``cohort_size``: members of the plan's cohort."""
+
+    round_id: int
+    model_version: int
+    length: int
+    cohort_size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Declined:
+    """The device declined round ``round_id``'s plan; ``reason`` and ``detail`` are the
+    published :class:`~edge_sdk.wire.Decline`'s (``ledger``, ``already_committed``,
+    ``stale_model``, ``no_data``, ``budget``, ``diverged``). Only ``diverged`` comes after
+    training (its spend is reserved and committed); every other reason leaves before."""
+
+    round_id: int
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Uploaded:
+    """The masked input of round ``round_id`` left as ``parts`` chunks of ``size`` payload
+    bytes in all. ``resent``: the same upload again, for a redelivered request (once per
+    redelivery); the first upload of a round has ``resent=False`` and is emitted once."""
+
+    round_id: int
+    parts: int
+    size: int
+    resent: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundClosed:
+    """The device left round ``round_id``: ``reason`` is ``"new model"`` (a newer global
+    model arrived), ``"superseded"`` (a plan for a later round), ``"silent"`` (nothing
+    heard for six stage timeouts) or the code of the aggregator's error notice.
+    ``uploaded``: its masked input had left; ``model_version``: the model it holds now."""
+
+    round_id: int
+    reason: str
+    uploaded: bool
+    model_version: int
+
+    @property
+    def contributed(self) -> bool:
+        """It uploaded and the round ended with a newer model (its input may be in it)."""
+        return self.uploaded and self.reason == _NEW_MODEL
+
+
+SessionEvent = CheckedIn | ModelAdopted | RoundOpened | Declined | Uploaded | RoundClosed
 
 
 @dataclass(slots=True)
@@ -112,6 +219,7 @@ class _Round:
     last_heard: float
     reservation: Reservation | None = None
     answers: dict[bytes, list[Publish]] = field(default_factory=dict)
+    upload: bytes | None = None  # the request (raw) the upload answered
 
 
 class DeviceSession:
@@ -188,6 +296,7 @@ class DeviceSession:
         self._inputs: dict[int, np.ndarray] = {}
         self._checkin_every = checkin_every
         self._next_checkin = math.inf
+        self._events: deque[SessionEvent] = deque(maxlen=_EVENTS)
 
     # ------------------------------------------------------------------ properties
 
@@ -211,6 +320,12 @@ class DeviceSession:
         x = self._inputs.get(round_id)
         return None if x is None else x.copy()
 
+    def take_events(self) -> list[SessionEvent]:
+        """What happened since the last call, oldest first (see the module docstring)."""
+        out = list(self._events)
+        self._events.clear()
+        return out
+
     # ------------------------------------------------------------------ endpoint
 
     def subscriptions(self) -> list[str]:
@@ -220,34 +335,28 @@ class DeviceSession:
 
     def on_connect(self, now: float) -> list[Publish]:
         """(Re)connected: check in."""
-        return self._checked_in([self._checkin()], now)
+        return [self._checkin(now)]
 
     def on_tick(self, now: float) -> list[Publish]:
         """Give up on a round that has gone silent (the aggregator dropped this device);
         repeat the check-in every ``checkin_every`` seconds outside rounds."""
         r = self._round
         if r is not None and now - r.last_heard > _GIVE_UP_STAGES * r.plan.stage_timeout:
-            self._end_round("silent")
-            return self._checked_in([self._checkin()], now)
+            self._end_round(_SILENT)
+            return [self._checkin(now)]
         if r is None and now >= self._next_checkin:
-            return self._checked_in([self._checkin()], now)
+            return [self._checkin(now)]
         return []
 
     def on_message(self, topic: str, payload: bytes, now: float) -> list[Publish]:
         """One inbound message. Never raises: a bad one is logged and changes nothing."""
         try:
-            return self._checked_in(self._handle(topic, payload, now), now)
+            return self._handle(topic, payload, now)
         except RemoteProtocolError as e:
             logger.warning("%s rejected message on %s: %s", self.device, topic, e, extra={
                 "fedge": {"event": "rejected", "device": self.device, "topic": topic,
                           "reason": str(e), "round": self.round_id}})
             return []
-
-    def _checked_in(self, out: list[Publish], now: float) -> list[Publish]:
-        if self._checkin_every is not None and any(
-                p.topic.endswith("/up/checkin") for p in out):
-            self._next_checkin = now + self._checkin_every
-        return out
 
     # ------------------------------------------------------------------ dispatch
 
@@ -256,7 +365,7 @@ class DeviceSession:
             msg = wire.decode(payload)
             if not isinstance(msg, ModelUpdate):
                 raise RemoteProtocolError(f"a {msg.KIND} message on the model topic")
-            return self._on_model(msg)
+            return self._on_model(msg, now)
         prefix = wire.device_down_topic(self.fleet, self.device, "x")[:-1]
         if not topic.startswith(prefix):
             raise RemoteProtocolError("not a topic of this device")
@@ -278,12 +387,12 @@ class DeviceSession:
                                           f"not this device's open round")
             logger.info("%s: round %d ended: %s", self.device, msg.round_id, msg.code)
             self._end_round(msg.code)
-            return [self._checkin()]
+            return [self._checkin(now)]
         raise RemoteProtocolError(f"a device does not accept {msg.KIND} messages")
 
     # ------------------------------------------------------------------ model
 
-    def _on_model(self, msg: ModelUpdate) -> list[Publish]:
+    def _on_model(self, msg: ModelUpdate, now: float) -> list[Publish]:
         wire.verify(msg, self._reg, None)
         if msg.version == self._version and self._params is not None and all(
             np.array_equal(a, b) for a, b in zip(msg.params(), self._params, strict=True)
@@ -298,10 +407,11 @@ class DeviceSession:
                                       f"{self._shapes} (float32)")
         self._params = msg.params()
         self._version = msg.version
+        self._events.append(ModelAdopted(version=msg.version, round_id=msg.round_id))
         r = self._round
         if r is not None and msg.version > r.plan.model_version:
-            self._end_round("new model")  # the round is over, with or without this device
-        return [] if self._round is not None else [self._checkin()]
+            self._end_round(_NEW_MODEL)  # the round is over, with or without this device
+        return [] if self._round is not None else [self._checkin(now)]
 
     # ------------------------------------------------------------------ plan
 
@@ -314,6 +424,8 @@ class DeviceSession:
                                              "round": plan.round_id, "reason": reason}})
         msg = wire.sign(Decline(round_id=plan.round_id, device=self.device, reason=reason,
                                 detail=detail[:256]), self._idn)
+        self._events.append(Declined(round_id=plan.round_id, reason=reason,
+                                     detail=msg.detail))
         return [Publish(wire.device_up_topic(self.fleet, self.device, "decline"),
                         wire.encode(msg))]
 
@@ -330,7 +442,7 @@ class DeviceSession:
             if plan.round_id <= r.plan.round_id:
                 raise RemoteProtocolError(f"plan for round {plan.round_id} while in round "
                                           f"{r.plan.round_id}")
-            self._end_round("superseded")
+            self._end_round(_SUPERSEDED)
         key = self._ledger_round(plan.round_id)
         try:
             taken = any(res.plan.round_id == key for res in self._ledger.reservations())
@@ -408,6 +520,8 @@ class DeviceSession:
         self._round = _Round(plan=plan, client=client, residues=residues,
                              ledger_plan=ledger_plan, reservation=reservation,
                              last_heard=now, answers={raw: out})
+        self._events.append(RoundOpened(round_id=plan.round_id, model_version=plan.model_version,
+                                        length=plan.length, cohort_size=len(plan.cohort)))
         return list(out)
 
     def _diverged(self, plan: RoundPlan, reservation: Reservation) -> list[Publish]:
@@ -433,12 +547,17 @@ class DeviceSession:
                                       f"device's open round")
         if raw in r.answers:
             r.last_heard = now
-            return list(r.answers[raw])
+            out = list(r.answers[raw])
+            if raw == r.upload:  # the same upload again (the request was redelivered)
+                self._uploaded(r, out, resent=True)
+            return out
         msg = pkt.message()
         if isinstance(msg, messages.NeighbourKeys):
             out = self._send_secagg(r.client.share_keys(msg))
         elif isinstance(msg, messages.ForwardedShares):
             out = self._upload(r, msg)
+            r.upload = raw
+            self._uploaded(r, out, resent=False)
         elif isinstance(msg, messages.UnmaskRequest):
             self._check_survivors(r, msg)
             out = self._send_secagg(r.client.unmask(msg))
@@ -484,6 +603,10 @@ class DeviceSession:
         return [Publish(topic, wire.encode(c)) for c in wire.split_upload(
             round_id=r.plan.round_id, device=self.device, data=data, max_packet=self._max_packet)]
 
+    def _uploaded(self, r: _Round, out: list[Publish], *, resent: bool) -> None:
+        self._events.append(Uploaded(round_id=r.plan.round_id, parts=len(out),
+                                     size=sum(len(p.payload) for p in out), resent=resent))
+
     def _commit(self, r: _Round) -> None:
         if r.reservation is None:
             return
@@ -498,9 +621,13 @@ class DeviceSession:
         r = self._round
         if r is not None:
             logger.debug("%s leaves round %d: %s", self.device, r.plan.round_id, why)
+            self._events.append(RoundClosed(round_id=r.plan.round_id, reason=why,
+                                            uploaded=r.upload is not None,
+                                            model_version=self._version))
         self._round = None
 
-    def _checkin(self) -> Publish:
+    def _checkin(self, now: float) -> Publish:
+        """The check-in to publish now (it restarts the ``checkin_every`` clock)."""
         try:
             remaining = self._ledger.remaining()
             size = len(self._data()[1])
@@ -510,5 +637,9 @@ class DeviceSession:
         msg = wire.sign(CheckIn(device=self.device, data_size=size,
                                 remaining_epsilon=float(remaining),
                                 model_version=self._version), self._idn)
+        if self._checkin_every is not None:
+            self._next_checkin = now + self._checkin_every
+        self._events.append(CheckedIn(model_version=self._version, data_size=size,
+                                      remaining_epsilon=float(remaining)))
         return Publish(wire.device_up_topic(self.fleet, self.device, "checkin"),
                        wire.encode(msg))

@@ -66,7 +66,7 @@ from edge_sdk.engine import Engine, load_engine
 from edge_sdk.errors import RemoteProtocolError
 from edge_sdk.ledger import Budget, Ledger
 from edge_sdk.model import ModelSpec, build_spec, init_params
-from edge_sdk.session import DeviceSession
+from edge_sdk.session import DeviceSession, SessionEvent
 from edge_sdk.wire import CheckIn, Publish
 from models import manifest_path
 from tools.broker import device_names
@@ -174,6 +174,12 @@ class DeviceAgent:
     and the error notice of the round it left, and replays them into the session on the
     first tick after :meth:`revive`. Messages of a round it left never reach the session
     (a QoS 1 redelivery after the cut connection must not make it upload late).
+
+    What the session did (opened a round, uploaded, declined, left a round) is taken from
+    its events into :attr:`events`, never inferred from what it published. Whether to
+    vanish is decided before the session sees a message, so that much still reads the
+    downlink itself (:meth:`_peek`: its round and, for a SecAgg packet, the inner kind)
+    until plan15 D2 gives the wire a header peek.
     """
 
     def __init__(self, name: str, session: DeviceSession, *, fleet: str,
@@ -188,6 +194,7 @@ class DeviceAgent:
         self.on_vanish = on_vanish
         self.vanished: dict[int, str] = {}  # round -> stage it vanished in
         self.sent: list[Publish] = []  # everything it published (tests audit uploads)
+        self.events: list[SessionEvent] = []  # what its session(s) did, oldest first
         self._target: tuple[int, str] | None = None  # (round, downlink kind) to vanish on
         self._dead_round = 0
         self._revive = False
@@ -208,6 +215,7 @@ class DeviceAgent:
 
     def replace_session(self, session: DeviceSession) -> None:
         """A restarted device process: a new session (on the reopened ledger)."""
+        self.events.extend(self.session.take_events())
         self.session = session
 
     # -- endpoint ----------------------------------------------------------------------
@@ -270,7 +278,8 @@ class DeviceAgent:
     # -- helpers -----------------------------------------------------------------------
 
     def _peek(self, kind: str, payload: bytes) -> tuple[int | None, str]:
-        """(round id, message kind: plan / a secagg kind / error) of a downlink."""
+        """(round id, message kind: plan / a secagg kind / error) of a downlink, read
+        before the session sees it (session events come only after)."""
         if kind not in ("plan", "secagg", "error"):
             return None, kind
         try:
@@ -283,6 +292,7 @@ class DeviceAgent:
         return round_id, kind
 
     def _out(self, out: list[Publish]) -> list[Publish]:
+        self.events.extend(self.session.take_events())
         self.sent.extend(out)
         return _count(out, True, self.meter)
 
