@@ -28,14 +28,13 @@ from edge_sdk.ledger import (
     LedgerError,
     Plan,
     Reservation,
-    _release_to_text,
-    _row_hash,
     entry_to_json,
     epsilon_pld,
     epsilon_rdp,
     event_from_json,
     event_to_json,
 )
+from edge_sdk.ledger.store import _release_to_text, _row_hash
 from edge_sdk.privacy import (
     Composed,
     Gaussian,
@@ -147,7 +146,7 @@ def test_legacy_entries_count_their_local_event_as_aggregate(tmp_path, monkeypat
     bare event in the old canonical JSON, without adjacency; cohort_size 16) reads back
     soundly: the aggregate view is the local one, not the old z * sqrt(16) guess, and each
     event gets the adjacency it was stated under then."""
-    import edge_sdk.ledger as ledger_mod
+    import edge_sdk.ledger.store as ledger_mod
 
     path = tmp_path / "l.db"
     shuffle = Gaussian(noise_multiplier=0.5, steps=2, adjacency="substitution")

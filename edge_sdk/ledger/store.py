@@ -1,5 +1,6 @@
-"""The device's privacy ledger: a durable, append-only, hash-chained record of every release,
-and the budget check that runs before anything leaves the device.
+"""The device's privacy ledger on disk: a durable, append-only, hash-chained record of every
+release, and the budget check (a :class:`~edge_sdk.ledger.accounting.Book`) that runs before
+anything leaves the device.
 
 Check, persist, then release — never another order::
 
@@ -30,407 +31,71 @@ Integrity: ``hash = sha256(prev_hash || canonical_json(row))`` over every column
 hash, the first ``prev_hash`` being the hash of the ledger's metadata (device, budget,
 schema cookie). Triggers refuse UPDATE and DELETE. Opening verifies, and fails closed with
 :class:`LedgerCorrupted`: the sqlite integrity check, the exact schema, the metadata, the
-chain, and the file byte by byte — every byte of the main file is either checked by sqlite's
-structure check, covered by a hash, a fixed header value, or unused space, which
-``secure_delete`` keeps zero. Two exceptions hold no ledger data and are not checked: the
-four header bytes naming the version of the last SQLite library to write the file (only
-range-checked), and the unused space of interior b-tree pages, where SQLite leaves stale
-cell pointers after splitting one (past about 9,000 entries). What no local check
-can see: the tail cut off by someone who rewrites the file consistently, or the whole file
-swapped for an older copy; anchor :meth:`Ledger.head` elsewhere (the aggregator's receipt).
+chain, and the file byte by byte (:mod:`edge_sdk.ledger.audit`) — every byte of the main
+file is either checked by sqlite's structure check, covered by a hash, a fixed header value,
+or unused space, which ``secure_delete`` keeps zero. Two exceptions hold no ledger data and
+are not checked: the four header bytes naming the version of the last SQLite library to
+write the file (only range-checked), and the unused space of interior b-tree pages, where
+SQLite leaves stale cell pointers after splitting one (past about 9,000 entries). What no
+local check can see: the tail cut off by someone who rewrites the file consistently, or the
+whole file swapped for an older copy; anchor :meth:`Ledger.head` elsewhere (the aggregator's
+receipt).
 
-Two guarantees, both epsilon in nats at a stated delta, both under ZERO-OUT adjacency
-(``../shared/DESIGN.md``, privacy model; :mod:`edge_sdk.privacy.events`): the neighbour of
-the device's data set replaces one record by a null record whose clipped gradient is 0
-(Kairouz et al. 2021). Zero-out, because check-in reveals the exact data size m and the
-remaining budget, which are the same in both zero-out neighbours but would make an
-add/remove guarantee infinite. Every stored event carries its own adjacency and is
-restated under zero-out soundly (substitution events unchanged; add/remove events of
-mechanisms that ignore the null record unchanged), or the ledger refuses it.
-
-* local: against anyone who sees this device's upload — the plan's event as released.
-  The budget is enforced on this one (it needs no trust).
-* aggregate: against whoever sees only the secure sum of the cohort — the plan's
-  ``aggregate_event``, built by :func:`edge_sdk.privacy.aggregate.aggregate_event` where a
-  theorem supports a smaller event than the local one (see its docstring: the released sum
-  must be linear in the members' updates, every step divided by the public batch size,
-  colluders excluded), and the local event everywhere else. The ledger stores it per entry
-  and never derives it. Valid only under the secure-aggregation threshold assumption
-  (fewer than ``secagg_threshold`` = t parties collude), the collusion assumption the plan
-  states (at most min_survivors - r'' members collude), and a SEMI-HONEST aggregator: it
-  follows the protocol (SecAgg's consistency round is not run, so an actively malicious
-  aggregator could unmask a smaller set than a device believes; devices refuse unmask
-  requests naming fewer than min_survivors). Entries written before the aggregate event was
-  stored (their event column holds one event) are read with the local event as their
-  aggregate event: conservative, never an under-count.
-
-Errors (one root)::
-
-    LedgerError              a write failed, a reservation is unknown, arguments disagree
-                             with the stored ledger
-     +-- LedgerCorrupted     missing, unreadable, tampered or truncated: do not train
-     +-- BudgetExhausted     the plan would take local epsilon over the owner's budget
-
-sqlite3 exceptions are translated at this module's boundary and never escape it. Bad
-arguments raise ``ValueError`` naming the value and the expectation.
+The figures (local and aggregate epsilon, zero-out adjacency) are the
+:mod:`~edge_sdk.ledger.accounting` module's. sqlite3 exceptions are translated at this
+module's boundary and never escape it. Bad arguments raise ``ValueError`` naming the value
+and the expectation.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import math
-import numbers
 import os
 import sqlite3
-import struct
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeAlias
+from typing import Any
 
-from edge_sdk.errors import EdgeError
-from edge_sdk.privacy import (
-    Composed,
-    DistributedDiscreteGaussian,
-    DistributedSkellam,
-    Event,
-    Gaussian,
-    PldAccountant,
-    PoissonSubsampledGaussian,
-    RdpAccountant,
-    SampledWithoutReplacementGaussian,
-    SelfComposed,
-    restate,
+from edge_sdk.ledger.accounting import (
+    Book,
+    Budget,
+    Entry,
+    EntryKind,
+    EpsilonCache,
+    EpsilonOf,
+    LedgerCorrupted,
+    LedgerError,
+    Plan,
+    Reservation,
+    Spent,
+    _canonical,
+    _check_delta,
+    _is_int,
+    _is_real,
+    _legacy_json,
+    epsilon_rdp,
+    event_from_json,
+    event_to_json,
 )
+from edge_sdk.ledger.audit import check_file, check_header
+from edge_sdk.privacy import Event
 
-__all__ = [
-    "Budget",
-    "BudgetExhausted",
-    "Entry",
-    "EpsilonOf",
-    "Ledger",
-    "LedgerCorrupted",
-    "LedgerError",
-    "Plan",
-    "Reservation",
-    "Spent",
-    "entry_to_json",
-    "epsilon_pld",
-    "epsilon_rdp",
-    "event_from_json",
-    "event_to_json",
-    "running_epsilon",
-]
-
-EntryKind: TypeAlias = Literal["reserve", "commit", "abort"]
-#: An accountant as the ledger uses it: epsilon (nats) at ``delta`` of composing ``events``
-#: in order, under zero-out adjacency (:data:`ADJACENCY`). Must be an upper bound on the true
-#: epsilon; may return ``inf``.
-EpsilonOf: TypeAlias = Callable[[Sequence[Event], float], float]
+__all__ = ["APPLICATION_ID", "FORMAT", "SCHEMA_VERSION", "Ledger"]
 
 FORMAT = "fedge-ledger"
 SCHEMA_VERSION = 1
 APPLICATION_ID = int.from_bytes(b"fLdg", "big")  # sqlite header bytes 68-71
 _BUSY_TIMEOUT_S = 10.0
-#: The adjacency every figure of the ledger is stated under (see the module docstring).
-ADJACENCY = "zero_out"
-# Entries written before events carried their adjacency: the relation each type was stated
-# under then (shuffle rounds' Gaussian(z/2) was charged as substitution).
-_LEGACY_ADJACENCY = {"Gaussian": "substitution", "PoissonSubsampledGaussian": "add_remove",
-                     "SampledWithoutReplacementGaussian": "substitution"}
-# Every kind of the privacy Event union. Kinds are only ever added (the discrete ones and
-# SelfComposed in issue 15, F1), so SCHEMA_VERSION stays 1: older ledgers read unchanged.
-_EVENT_TYPES: dict[str, type] = {
-    "Gaussian": Gaussian,
-    "PoissonSubsampledGaussian": PoissonSubsampledGaussian,
-    "SampledWithoutReplacementGaussian": SampledWithoutReplacementGaussian,
-    "DistributedDiscreteGaussian": DistributedDiscreteGaussian,
-    "DistributedSkellam": DistributedSkellam,
-    "Composed": Composed,
-    "SelfComposed": SelfComposed,
-}
 _COLUMNS = ("seq", "kind", "reservation", "round_id", "model_id", "time", "event",
             "cohort_size", "secagg_threshold", "prev_hash", "hash")
 
 
-# ------------------------------------------------------------------------------ errors
-
-
-class LedgerError(EdgeError):
-    """Root of the ledger's errors (an :class:`edge_sdk.errors.EdgeError`)."""
-
-
-class LedgerCorrupted(LedgerError):
-    """The ledger is missing, unreadable, tampered with or truncated: the device must not train."""
-
-
-class BudgetExhausted(LedgerError):
-    """The planned release would take the device's local epsilon over its owner's budget."""
-
-
-# ------------------------------------------------------------------------------- values
-
-
-def _is_real(x: object) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _check_delta(delta: object) -> float:
-    if not (_is_real(delta) and 0 < delta < 1):  # type: ignore[operator]
-        raise ValueError(f"delta must be a number in (0, 1), got {delta!r}")
-    return float(delta)  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Budget:
-    """The owner's budget: (epsilon, delta)-DP over the device's whole life, local view.
-
-    Attributes:
-        epsilon: the most epsilon (nats) the device may ever spend, at ``delta``; > 0, finite.
-        delta: the delta the budget is stated at, in (0, 1).
-    """
-
-    epsilon: float
-    delta: float
-
-    def __post_init__(self) -> None:
-        e = self.epsilon
-        if not (_is_real(e) and math.isfinite(e) and e > 0):
-            raise ValueError(f"budget epsilon must be a finite number > 0, got {e!r}")
-        _check_delta(self.delta)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Plan:
-    """A release the device is about to make (one local round's upload).
-
-    Attributes:
-        round_id: the aggregator's round identifier.
-        model_id: the global model version the round trains from.
-        event: the privacy event of the local round, as released in the upload
-            (``LocalResult.event`` of :mod:`edge_sdk.train`).
-        aggregate_event: the event against whoever sees only the secure sum, as built by
-            :func:`edge_sdk.privacy.aggregate.aggregate_event`; None (the default) means
-            ``event``: no claim beyond the local view. Stored as given, never derived.
-        cohort_size: r', the fewest members whose updates the revealed sum contains (the
-            aggregator's min_survivors), recorded for the record; the accounting uses
-            ``aggregate_event`` only.
-        secagg_threshold: t of the secure aggregation the upload goes through (fewer than t
-            colluders learn nothing but the sum), or None for no secure aggregation; then
-            ``aggregate_event`` must be the local event. At most ``cohort_size``.
-    """
-
-    round_id: str
-    model_id: str
-    event: Event
-    aggregate_event: Event | None = None
-    cohort_size: int = 1
-    secagg_threshold: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("round_id", "model_id"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value:
-                raise ValueError(f"{name} must be a non-empty str, got {value!r}")
-        if not isinstance(self.event, tuple(_EVENT_TYPES.values())):
-            raise ValueError(
-                f"event must be one of {', '.join(_EVENT_TYPES)}, got {type(self.event).__name__}"
-            )
-        if self.aggregate_event is None:
-            object.__setattr__(self, "aggregate_event", self.event)
-        elif not isinstance(self.aggregate_event, tuple(_EVENT_TYPES.values())):
-            raise ValueError(f"aggregate_event must be one of {', '.join(_EVENT_TYPES)}, got "
-                             f"{type(self.aggregate_event).__name__}")
-        r, t = self.cohort_size, self.secagg_threshold
-        if t is None and self.aggregate_event != self.event:
-            raise ValueError("without secure aggregation (secagg_threshold=None) the aggregate "
-                             "event must be the local event")
-        if not (_is_int(r) and r >= 1):
-            raise ValueError(f"cohort_size must be an integer >= 1, got {r!r}")
-        if t is not None and not (_is_int(t) and 1 <= t <= r):
-            raise ValueError(
-                f"secagg_threshold must be None or an integer in [1, cohort_size={r}], got {t!r}"
-            )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Reservation:
-    """A durable, counted spend; pass it to :meth:`Ledger.commit` or :meth:`Ledger.abort`.
-
-    Attributes:
-        seq: the reservation's entry number in the ledger.
-        plan: what was reserved.
-        hash: the reservation entry's chain hash (hex), so it cannot be confused with
-            another ledger's reservation.
-    """
-
-    seq: int
-    plan: Plan
-    hash: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Spent:
-    """What a ledger has spent, every reservation counted whether committed or not.
-
-    Attributes:
-        local_epsilon: epsilon (nats) at ``delta`` against anyone who saw the uploads.
-        aggregate_epsilon: epsilon (nats) at ``delta`` against whoever saw only the secure
-            sums, valid only under the threshold, collusion and semi-honest-aggregator
-            assumptions (module docstring); equal to ``local_epsilon`` wherever no theorem
-            supports a smaller figure.
-        delta: the delta both are stated at.
-        entries: how many reservations (releases) the figures count.
-        adjacency: the neighbouring relation both are stated under (zero-out).
-    """
-
-    local_epsilon: float
-    aggregate_epsilon: float
-    delta: float
-    entries: int
-    adjacency: str = ADJACENCY
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Entry:
-    """One verified ledger entry.
-
-    Attributes:
-        seq: 1, 2, ... without gaps.
-        kind: ``"reserve"`` (a counted spend), ``"commit"`` (its upload left) or ``"abort"``
-            (the device says it did not leave; nothing is refunded).
-        reservation: for commit/abort, the ``seq`` of the reservation; None for reserve.
-        round_id: the round the entry is about.
-        model_id: the model version it trained from.
-        time: wall time of the write, seconds since the epoch (the injected clock).
-        event: the released mechanism (reserve only).
-        aggregate_event: the mechanism as seen through the secure sum (reserve only; the
-            local event for entries that predate it).
-        cohort_size: r', the fewest survivors the sum contains (reserve only).
-        secagg_threshold: t, or None without secure aggregation (reserve only).
-        prev_hash: the previous entry's hash (hex); the metadata's hash for entry 1.
-        hash: sha256(prev_hash || canonical row), hex.
-    """
-
-    seq: int
-    kind: EntryKind
-    reservation: int | None
-    round_id: str
-    model_id: str
-    time: float
-    event: Event | None
-    aggregate_event: Event | None
-    cohort_size: int | None
-    secagg_threshold: int | None
-    prev_hash: str
-    hash: str
-
-
-# --------------------------------------------------------------------- event encoding
-
-
-def _canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                      allow_nan=False).encode("ascii")
-
-
-def event_to_json(event: Event) -> dict[str, Any]:
-    """The event as plain data, ``{"type": class name, **fields}``, nested for Composed
-    (``events``: a list) and SelfComposed (``event``: an object, ``count``: an int).
-
-    Numbers are normalised by the field's declared type (``float`` or ``int``), so the same
-    mechanism always encodes to the same canonical JSON; ``adjacency`` is a string.
-
-    Raises:
-        ValueError: not a privacy event this module can store.
-    """
-    name = type(event).__name__
-    if _EVENT_TYPES.get(name) is not type(event):
-        raise ValueError(f"cannot store an event of type {name}; known: {', '.join(_EVENT_TYPES)}")
-    if isinstance(event, Composed):
-        return {"type": name, "events": [event_to_json(e) for e in event.events]}
-    if isinstance(event, SelfComposed):
-        return {"type": name, "event": event_to_json(event.event), "count": int(event.count)}
-    out: dict[str, Any] = {"type": name}
-    for f in dataclasses.fields(event):
-        value = getattr(event, f.name)
-        out[f.name] = (str(value) if f.name == "adjacency"
-                       else float(value) if f.type == "float" else int(value))
-    return out
-
-
-def event_from_json(data: Any, *, legacy: bool = False) -> Event:
-    """Inverse of :func:`event_to_json`: exact field set, JSON types checked, then the
-    event's own validation.
-
-    Args:
-        data: the decoded JSON.
-        legacy: the encoding of ledgers written before events carried their adjacency
-            (no ``adjacency`` field; each type gets the relation it was stated under then).
-
-    Raises:
-        ValueError: unknown type, missing or extra fields, wrong types or invalid values.
-    """
-    if not isinstance(data, dict):
-        raise ValueError(f"an event must be a JSON object, got {data!r}")
-    cls = _EVENT_TYPES.get(data.get("type"))  # type: ignore[arg-type]
-    if cls is None:
-        raise ValueError(
-            f"unknown event type {data.get('type')!r}; known: {', '.join(_EVENT_TYPES)}")
-    if cls is Composed:
-        if set(data) != {"type", "events"} or not isinstance(data["events"], list):
-            raise ValueError(f"a Composed event needs exactly a list 'events', got {data!r}")
-        return Composed(events=tuple(event_from_json(e, legacy=legacy) for e in data["events"]))
-    if legacy and cls.__name__ not in _LEGACY_ADJACENCY:
-        raise ValueError(f"a legacy entry cannot hold a {cls.__name__} event (a kind added "
-                         f"later); known then: Composed, {', '.join(_LEGACY_ADJACENCY)}")
-    if cls is SelfComposed:
-        if (set(data) != {"type", "event", "count"} or not isinstance(data["count"], int)
-                or isinstance(data["count"], bool)):
-            raise ValueError(
-                f"a SelfComposed event needs exactly an object 'event' and an int 'count', "
-                f"got {data!r}")
-        return SelfComposed(event=event_from_json(data["event"]), count=data["count"])
-    fields = {f.name: f.type for f in dataclasses.fields(cls)}
-    if legacy:
-        del fields["adjacency"]
-    if set(data) != {"type", *fields}:
-        raise ValueError(f"{cls.__name__} needs exactly the fields {sorted(fields)}, got {data!r}")
-    kwargs = {}
-    for name, kind in fields.items():
-        value = data[name]
-        if name == "adjacency":
-            ok = isinstance(value, str)
-        elif kind == "float":
-            ok = isinstance(value, int | float)
-        else:
-            ok = isinstance(value, int)
-        if not ok or isinstance(value, bool):
-            raise ValueError(f"{cls.__name__}.{name} must be a JSON {kind}, got {value!r}")
-        kwargs[name] = value
-    if legacy:
-        kwargs["adjacency"] = _LEGACY_ADJACENCY[cls.__name__]
-    return cls(**kwargs)  # type: ignore[no-any-return]
-
-
-def _legacy_json(event: Event) -> dict[str, Any]:
-    """:func:`event_to_json` without the adjacency fields (the old canonical form)."""
-    out = event_to_json(event)
-    if isinstance(event, Composed):
-        out["events"] = [_legacy_json(e) for e in event.events]
-    else:
-        del out["adjacency"]
-    return out
+# ------------------------------------------------------------------ the event column
 
 
 def _release_to_text(plan: Plan) -> str:
@@ -456,84 +121,6 @@ def _release_from_text(text: str) -> tuple[Event, Event]:
                   ).decode() != text:
         raise ValueError("the event is not in canonical form")
     return local, agg
-
-
-# ------------------------------------------------------------------------- accounting
-
-
-def _leaves(event: Event) -> Iterator[Event]:
-    if isinstance(event, Composed):
-        for e in event.events:
-            yield from _leaves(e)
-    elif isinstance(event, SelfComposed):
-        yield from _leaves(event.event)
-    else:
-        yield event
-
-
-def epsilon_rdp(events: Sequence[Event], delta: float) -> float:
-    """Epsilon (nats) at ``delta`` of composing ``events`` under zero-out adjacency, by the
-    RDP accountant; the ledger's default accountant.
-
-    Each event is restated under zero-out (:func:`edge_sdk.privacy.restate`); an event with
-    no sound restatement raises ValueError.
-    """
-    events = list(events)
-    if not events:
-        return 0.0
-    acc = RdpAccountant(adjacency=ADJACENCY)
-    for event, count in Counter(events).items():  # a device repeats few distinct events
-        acc.compose(event, count)
-    return acc.get_epsilon(delta)
-
-
-def epsilon_pld(events: Sequence[Event], delta: float) -> float:
-    """Epsilon (nats) at ``delta`` under zero-out adjacency, by the PLD accountant where it
-    applies (no sampling without replacement, no discrete events), never above the RDP
-    answer (both are upper bounds, so their minimum is one)."""
-    events = list(events)
-    rdp = epsilon_rdp(events, delta)
-    acc = PldAccountant(adjacency=ADJACENCY)
-    # No PLD for sampling without replacement or the discrete events: RDP alone then.
-    if not events or any(isinstance(leaf, SampledWithoutReplacementGaussian)
-                         or not acc.supports(leaf) for e in events for leaf in _leaves(e)):
-        return rdp
-    for event, count in Counter(events).items():
-        acc.compose(restate(event, ADJACENCY), count)
-    return min(acc.get_epsilon(delta), rdp)
-
-
-def _checked_epsilon(value: object, who: str) -> float:
-    if not _is_real(value) or math.isnan(value) or value < 0:  # type: ignore[arg-type,operator]
-        raise LedgerError(f"accountant {who} returned {value!r}; expected a number >= 0 or inf")
-    return float(value)  # type: ignore[arg-type]
-
-
-def _name(fn: object) -> str:
-    return getattr(fn, "__qualname__", repr(fn))
-
-
-def running_epsilon(
-    plans: Sequence[Plan], delta: float, accountant: EpsilonOf = epsilon_rdp
-) -> list[tuple[float, float]]:
-    """(local, aggregate) epsilon (nats) at ``delta`` after each of ``plans`` in turn."""
-    delta = _check_delta(delta)
-    out = []
-    for k in range(1, len(plans) + 1):
-        local = accountant([p.event for p in plans[:k]], delta)
-        agg = accountant([p.aggregate_event for p in plans[:k]], delta)
-        out.append((_checked_epsilon(local, _name(accountant)),
-                    _checked_epsilon(agg, _name(accountant))))
-    return out
-
-
-def entry_to_json(entry: Entry) -> dict[str, Any]:
-    """An entry as plain JSON-able data (the event through :func:`event_to_json`)."""
-    out = {f.name: getattr(entry, f.name) for f in dataclasses.fields(entry)}
-    out["event"] = None if entry.event is None else event_to_json(entry.event)
-    out["aggregate_event"] = (None if entry.aggregate_event is None
-                              else event_to_json(entry.aggregate_event))
-    return out
 
 
 # --------------------------------------------------------------------------- storage
@@ -614,19 +201,25 @@ def _row_hash(prev_hash: str, row: dict[str, Any]) -> str:
 
 
 class Ledger:
-    """A device's privacy ledger. Open with :meth:`open`; use as a context manager.
+    """A device's privacy ledger: a :class:`~edge_sdk.ledger.accounting.Book` made durable.
+    Open with :meth:`open`; use as a context manager.
+
+    Its book always has the finite :class:`Budget` stored at creation (never the book's
+    simulation-only "no limit"), and holds exactly the verified entries of the file.
 
     One thread per instance. Several processes may share a file: every method first reads
     what others appended, and :meth:`reserve` checks the budget inside its write
     transaction.
     """
 
-    __slots__ = ("_accountant", "_clock", "_closed", "_conn", "_entries", "_events",
-                 "_genesis", "_read_only", "_reservations", "budget", "device_id", "path")
+    __slots__ = ("_accountant", "_book", "_cache", "_clock", "_conn", "_entries", "_events",
+                 "_genesis", "_read_only", "budget", "device_id", "path")
 
     def __init__(self, *, conn: sqlite3.Connection, path: Path, budget: Budget, device_id: str,
                  genesis: str, accountant: EpsilonOf, clock: Callable[[], float]) -> None:
         """Use :meth:`open`."""
+        if not isinstance(budget, Budget):  # never the Book's "no limit" on a device
+            raise ValueError(f"a device ledger needs a finite Budget, got {budget!r}")
         self._conn: sqlite3.Connection | None = conn
         self.path = path
         self.budget = budget
@@ -635,11 +228,14 @@ class Ledger:
         self._accountant = accountant
         self._clock = clock
         self._entries: list[Entry] = []
-        self._reservations: dict[int, Reservation] = {}
-        self._closed: dict[int, EntryKind] = {}  # reservation seq -> "commit" | "abort"
+        self._cache = EpsilonCache()  # outlives reloads: answers depend only on the events
+        self._book = self._new_book()
         # canonical JSON -> (local, aggregate) events (a device repeats few)
         self._events: dict[str, tuple[Event, Event]] = {}
         self._read_only: str | None = None  # why nothing can be written (see open)
+
+    def _new_book(self) -> Book:
+        return Book(budget=self.budget, accountant=self._accountant, cache=self._cache)
 
     # ------------------------------------------------------------------------ opening
 
@@ -691,7 +287,7 @@ class Ledger:
                     "(create=True is for provisioning a new device only)")
             if budget is None or device_id is None:
                 raise ValueError("creating a ledger needs a budget and a device_id")
-        _check_header_fields(path)  # before sqlite can rewrite any of them
+        check_header(path)  # before sqlite can rewrite any of them
         read_only = _read_only_reason(path)
         if read_only is not None:
             if create and (not path.exists() or path.stat().st_size == 0):
@@ -715,7 +311,7 @@ class Ledger:
                 for pragma in ("secure_delete=ON", "cell_size_check=ON", "trusted_schema=OFF"):
                     conn.execute(f"PRAGMA {pragma}")
                 if read_only is not None:
-                    pass  # _check_header_fields checked the WAL bytes; no journal to set
+                    pass  # check_header checked the WAL bytes; no journal to set
                 elif conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0:
                     if not create:
                         raise LedgerCorrupted(
@@ -793,14 +389,15 @@ class Ledger:
                     if got != want:
                         raise LedgerCorrupted(f"{self.path}: {pragma} is {got}, expected {want}")
                 if _wal_is_empty(self.path):  # our snapshot is the main file; it cannot move
-                    _check_file_bytes(self.path, roots, meta["schema_cookie"])
+                    check_file(self.path, roots=roots, cookie=meta["schema_cookie"],
+                               user_version=SCHEMA_VERSION, application_id=APPLICATION_ID)
                 rows = conn.execute(f"SELECT {', '.join(_COLUMNS)} FROM entries ORDER BY seq")
                 rows = rows.fetchall()
             finally:
                 conn.execute("COMMIT")
         if meta["hash"] != self._genesis or meta["device_id"] != self.device_id:
             raise LedgerCorrupted(f"{self.path}: the metadata changed while open")
-        self._entries, self._reservations, self._closed = [], {}, {}
+        self._entries, self._book = [], self._new_book()
         self._extend(rows)
 
     def _extend(self, rows: Sequence[tuple[Any, ...]]) -> None:
@@ -814,11 +411,10 @@ class Ledger:
                             aggregate_event=entry.aggregate_event,
                             cohort_size=entry.cohort_size,
                             secagg_threshold=entry.secagg_threshold)
-                self._reservations[entry.seq] = Reservation(seq=entry.seq, plan=plan,
-                                                            hash=entry.hash)
+                self._book.add(Reservation(seq=entry.seq, plan=plan, hash=entry.hash))
             else:
-                assert entry.reservation is not None
-                self._closed[entry.reservation] = entry.kind
+                assert entry.reservation is not None and entry.kind != "reserve"
+                self._book.close(entry.reservation, entry.kind)
 
     def _check_row(self, row: dict[str, Any]) -> Entry:
         seq, prev = len(self._entries) + 1, self.head()
@@ -849,10 +445,10 @@ class Ledger:
                      aggregate_event=agg,
                      cohort_size=row["cohort_size"], secagg_threshold=row["secagg_threshold"])
             elif row["kind"] in ("commit", "abort"):
-                ref = self._reservations.get(row["reservation"])
+                ref = self._book.reservation(row["reservation"])
                 if ref is None:
                     raise ValueError(f"{row['kind']} of unknown reservation {row['reservation']!r}")
-                if row["reservation"] in self._closed:
+                if self._book.closed(row["reservation"]) is not None:
                     raise ValueError(f"reservation {row['reservation']} closed twice")
                 if (row["round_id"], row["model_id"]) != (ref.plan.round_id, ref.plan.model_id):
                     raise ValueError(f"round/model differ from reservation {ref.seq}'s")
@@ -903,25 +499,21 @@ class Ledger:
 
     # ----------------------------------------------------------------------- spending
 
-    def _local_epsilon(self, plans: Sequence[Plan], delta: float) -> float:
-        value = self._accountant([p.event for p in plans], delta) if plans else 0.0
-        return _checked_epsilon(value, _name(self._accountant))
-
-    def _plans(self) -> list[Plan]:
-        return [r.plan for r in self._reservations.values()]
-
     def epsilon_if(self, plan: Plan) -> float:
         """Local epsilon (nats) at the budget's delta after ``plan``, on top of every
         reservation so far. Writes nothing."""
         if not isinstance(plan, Plan):
             raise ValueError(f"plan must be a Plan, got {plan!r}")
         self._refresh()
-        return self._local_epsilon([*self._plans(), plan], self.budget.delta)
+        return self._book.epsilon_if(plan)
 
     def would_exceed(self, plan: Plan) -> bool:
         """Whether reserving ``plan`` would take local epsilon over the budget. Pure: writes
         nothing (a NaN-free accountant answer above the budget, or inf, is True)."""
-        return not self.epsilon_if(plan) <= self.budget.epsilon
+        if not isinstance(plan, Plan):
+            raise ValueError(f"plan must be a Plan, got {plan!r}")
+        self._refresh()
+        return self._book.would_exceed(plan)
 
     def reserve(self, plan: Plan) -> Reservation:
         """Check the budget and record the release durably; call before the upload leaves.
@@ -939,20 +531,14 @@ class Ledger:
         """
         if not isinstance(plan, Plan):
             raise ValueError(f"plan must be a Plan, got {plan!r}")
-        delta, limit = self.budget.delta, self.budget.epsilon
         with self._transaction(f"reserve round {plan.round_id!r}"):
             self._refresh()
-            after = self._local_epsilon([*self._plans(), plan], delta)
-            if not after <= limit:
-                spent = self._local_epsilon(self._plans(), delta)
-                alone = self._local_epsilon([plan], delta)
-                raise BudgetExhausted(
-                    f"round {plan.round_id!r} refused: spent eps={spent:.6g}, this plan alone "
-                    f"eps={alone:.6g}, together eps={after:.6g} > budget eps={limit:g} "
-                    f"(local, at delta={delta:g})")
+            self._book.check(plan)  # BudgetExhausted: nothing written
             entry = self._insert("reserve", plan, None)
         self._extend_one(entry)
-        return self._reservations[entry["seq"]]
+        reservation = self._book.reservation(entry["seq"])
+        assert reservation is not None
+        return reservation
 
     def commit(self, reservation: Reservation) -> None:
         """Record that the reservation's upload left. Changes no figure (it already counted).
@@ -978,11 +564,11 @@ class Ledger:
             raise ValueError(f"reservation must be a Reservation, got {reservation!r}")
         with self._transaction(f"{kind} reservation {reservation.seq}"):
             self._refresh()
-            ours = self._reservations.get(reservation.seq)
+            ours = self._book.reservation(reservation.seq)
             if ours is None or ours != reservation:
                 raise LedgerError(f"{self.path}: reservation {reservation.seq} "
                                   f"({reservation.plan.round_id!r}) is not in this ledger")
-            done = self._closed.get(reservation.seq)
+            done = self._book.closed(reservation.seq)
             if done == kind:
                 return
             if done is not None:
@@ -1052,14 +638,7 @@ class Ledger:
         reservation counted whether committed, aborted or neither: never an under-count."""
         delta = self.budget.delta if delta is None else _check_delta(delta)
         self._refresh()
-        plans = self._plans()
-        if not plans:
-            return Spent(local_epsilon=0.0, aggregate_epsilon=0.0, delta=delta, entries=0)
-        local = self._local_epsilon(plans, delta)
-        agg = self._accountant([p.aggregate_event for p in plans], delta)
-        return Spent(local_epsilon=local,
-                     aggregate_epsilon=_checked_epsilon(agg, _name(self._accountant)),
-                     delta=delta, entries=len(plans))
+        return self._book.spent(delta)
 
     def remaining(self) -> float:
         """Local epsilon (nats) left in the budget at the budget's delta (>= 0; for check-in)."""
@@ -1073,13 +652,13 @@ class Ledger:
     def reservations(self) -> tuple[Reservation, ...]:
         """Every reservation, oldest first, whatever became of it."""
         self._refresh()
-        return tuple(self._reservations.values())
+        return self._book.reservations()
 
     def pending(self) -> tuple[Reservation, ...]:
         """Reservations neither committed nor aborted (after a crash: uploads that may have
         left). They count as spent all the same."""
         self._refresh()
-        return tuple(r for s, r in self._reservations.items() if s not in self._closed)
+        return self._book.pending()
 
     @property
     def accountant(self) -> EpsilonOf:
@@ -1173,25 +752,6 @@ def _read_meta(conn: sqlite3.Connection, path: Path) -> dict[str, Any]:
     return meta
 
 
-# ------------------------------------------------------ the file, byte by byte
-#
-# sqlite's integrity_check verifies the b-tree structure (page types, cell bounds, key order,
-# free-space accounting, every page used once) and our hashes cover every value. What
-# neither sees is space sqlite considers unused and header fields it ignores. With
-# secure_delete every freed byte is zeroed and new pages start zeroed, and an append-only
-# table grows its leaves by adding fresh pages, so in a healthy ledger the unused bytes of
-# leaf, overflow and free pages are zero and the header holds what creation wrote. Interior
-# pages are the exception: splitting one leaves stale cell pointers in its unused gap (seen
-# past ~9,000 entries), so their unused space is not checked — a false alarm would
-# stop a healthy device for good. Format: https://www.sqlite.org/fileformat2.html.
-
-_MAGIC = b"SQLite format 3\x00"
-# Header fields that never change after creation: offset -> (size, expected value).
-_FIXED = {18: (1, 2), 19: (1, 2), 20: (1, 0), 21: (1, 64), 22: (1, 32), 23: (1, 32),
-          44: (4, 4), 48: (4, 0), 52: (4, 0), 56: (4, 1), 60: (4, SCHEMA_VERSION),
-          64: (4, 0), 68: (4, APPLICATION_ID)}
-
-
 def _read_only_reason(path: Path) -> str | None:
     """Why the ledger's directory cannot be written (a read-only mount), or None."""
     directory = path.parent
@@ -1209,181 +769,3 @@ def _wal_is_empty(path: Path) -> bool:
         return wal.stat().st_size == 0
     except FileNotFoundError:
         return True
-
-
-def _check_header_fields(path: Path) -> None:
-    """Before sqlite touches the file: it is empty (an interrupted creation) or a ledger's."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(100)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise LedgerCorrupted(f"{path}: cannot read the file ({exc})") from exc
-    if not head:
-        return
-    if len(head) < 100 or head[:16] != _MAGIC:
-        raise LedgerCorrupted(f"{path}: not a sqlite database (bad or truncated header)")
-    if head[18:20] != b"\x02\x02":  # creation switches to WAL before anything else
-        raise LedgerCorrupted(f"{path}: header bytes 18-19 are {head[18:20].hex()}, expected "
-                              "0202 (WAL)")
-
-
-def _u16(b: bytes, i: int) -> int:
-    return int(struct.unpack_from(">H", b, i)[0])
-
-
-def _u32(b: bytes, i: int) -> int:
-    return int(struct.unpack_from(">I", b, i)[0])
-
-
-def _varint(b: bytes, i: int) -> tuple[int, int]:
-    v = 0
-    for k in range(8):
-        byte = b[i + k]
-        v = (v << 7) | (byte & 0x7F)
-        if byte < 0x80:
-            return v, i + k + 1
-    return (v << 8) | b[i + 8], i + 9
-
-
-class _Bad(Exception):
-    pass
-
-
-def _zero(b: bytes, start: int, end: int, what: str) -> None:
-    if start > end:
-        raise _Bad(f"{what}: overlapping regions at offset {end}")
-    if b[start:end] != bytes(end - start):
-        nz = next(i for i in range(start, end) if b[i])
-        raise _Bad(f"{what}: unused byte at offset {nz} is {b[nz]:#04x}, expected 0")
-
-
-def _check_file_bytes(path: Path, roots: list[int], cookie: int) -> None:
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise LedgerCorrupted(f"{path}: cannot read the file ({exc})") from exc
-    try:
-        _check_pages(data, roots, cookie)
-    except _Bad as exc:
-        raise LedgerCorrupted(f"{path}: {exc}") from None
-    except (struct.error, IndexError, ValueError) as exc:
-        raise LedgerCorrupted(f"{path}: malformed page structure ({exc})") from None
-
-
-def _check_pages(data: bytes, roots: list[int], cookie: int) -> None:
-    if len(data) < 512 or data[:16] != _MAGIC:
-        raise _Bad("not a sqlite file")
-    ps = _u16(data, 16)
-    ps = 65536 if ps == 1 else ps
-    if ps < 512 or ps & (ps - 1) or len(data) % ps:
-        raise _Bad(f"page size {ps} does not fit the file size {len(data)}")
-    npages = len(data) // ps
-    for off, (size, want) in _FIXED.items():
-        got = int.from_bytes(data[off:off + size], "big")
-        if got != want:
-            raise _Bad(f"file header field at offset {off} is {got}, expected {want}")
-    _zero(data, 72, 92, "file header (reserved)")
-    if _u32(data, 24) != _u32(data, 92):
-        raise _Bad("file header: change counter and version-valid-for differ")
-    if _u32(data, 28) != npages:
-        raise _Bad(f"file header says {_u32(data, 28)} pages, the file has {npages}")
-    if _u32(data, 40) != cookie:
-        raise _Bad(f"file header: schema cookie {_u32(data, 40)}, expected {cookie}")
-    if not 3_000_000 <= _u32(data, 96) < 4_000_000:
-        raise _Bad(f"file header: sqlite version number {_u32(data, 96)} is not a SQLite 3")
-    seen: set[int] = set()
-
-    def page(pgno: int) -> bytes:
-        if not 1 <= pgno <= npages or pgno in seen:
-            raise _Bad(f"page {pgno} is out of range or referenced twice")
-        seen.add(pgno)
-        return data[(pgno - 1) * ps: pgno * ps]
-
-    overflows: list[tuple[int, int]] = []
-    stack = sorted(set(roots) | {1})
-    while stack:
-        pgno = stack.pop()
-        overflows += _check_btree_page(page(pgno), pgno, ps, stack)
-    for first, remaining in overflows:  # chains of payload that did not fit in a cell
-        pgno = first
-        while True:
-            buf = page(pgno)
-            if remaining <= ps - 4:
-                if _u32(buf, 0):
-                    raise _Bad(f"page {pgno}: overflow chain goes on past its payload")
-                _zero(buf, 4 + remaining, ps, f"page {pgno} (overflow)")
-                break
-            remaining -= ps - 4
-            pgno = _u32(buf, 0)
-    trunk, free = _u32(data, 32), _u32(data, 36)
-    while trunk:
-        buf = page(trunk)
-        n = _u32(buf, 4)
-        leaves = [_u32(buf, 8 + 4 * k) for k in range(n)]
-        _zero(buf, 8 + 4 * n, ps, f"page {trunk} (freelist trunk)")
-        for leaf in leaves:
-            _zero(page(leaf), 0, ps, f"page {leaf} (free)")
-        free -= 1 + n
-        trunk = _u32(buf, 0)
-    if free != 0 or len(seen) != npages:
-        raise _Bad(f"{npages - len(seen)} pages are neither in a b-tree nor free")
-
-
-def _check_btree_page(buf: bytes, pgno: int, ps: int, stack: list[int]) -> list[tuple[int, int]]:
-    """Leaf pages: zero outside the header, cell pointers, cells and freeblock headers.
-    Interior pages: children pushed, unused space not checked (stale after a split).
-    Returns the overflow chains (first page, bytes left) of the page's cells."""
-    h = 100 if pgno == 1 else 0
-    kind = buf[h]
-    if kind not in (2, 5, 10, 13):
-        raise _Bad(f"page {pgno}: unknown b-tree page type {kind}")
-    interior, table = kind in (2, 5), kind in (5, 13)
-    hdr = 12 if interior else 8
-    ncell, content = _u16(buf, h + 3), _u16(buf, h + 5) or 65536
-    ptrs = h + hdr + 2 * ncell
-    if not ptrs <= content <= ps:
-        raise _Bad(f"page {pgno}: cell area starts at {content}, pointers end at {ptrs}")
-    zero = _zero if not interior else lambda *_: None
-    zero(buf, ptrs, content, f"page {pgno} (unallocated)")
-    if interior:
-        stack.append(_u32(buf, h + 8))
-    # Payload kept on the page before spilling to overflow pages (fileformat2, section 1.6).
-    max_local = ps - 35 if table else (ps - 12) * 64 // 255 - 23
-    min_local = (ps - 12) * 32 // 255 - 23
-    spans, overflows = [], []
-    for k in range(ncell):
-        start = _u16(buf, h + hdr + 2 * k)
-        i = start
-        if interior:
-            stack.append(_u32(buf, i))
-            i += 4
-        if kind == 5:  # table interior: child pointer and key only
-            _, i = _varint(buf, i)
-            spans.append((start, i))
-            continue
-        size, i = _varint(buf, i)
-        if kind == 13:
-            _, i = _varint(buf, i)  # rowid
-        local = size
-        if size > max_local:
-            local = min_local + (size - min_local) % (ps - 4)
-            local = local if local <= max_local else min_local
-            overflows.append((_u32(buf, i + local), size - local))
-            i += 4
-        spans.append((start, i + local))
-    block = _u16(buf, h + 1)
-    while block:
-        nxt, size = _u16(buf, block), _u16(buf, block + 2)
-        spans.append((block, block + 4))
-        zero(buf, block + 4, block + size, f"page {pgno} (freeblock)")
-        if nxt and nxt <= block:
-            raise _Bad(f"page {pgno}: freeblocks out of order")
-        block = nxt
-    pos = content
-    for a, b in sorted(spans):
-        zero(buf, pos, a, f"page {pgno} (fragment)")
-        pos = max(pos, b)
-    zero(buf, pos, ps, f"page {pgno} (tail)")
-    return overflows

@@ -1,0 +1,770 @@
+"""The ledger's pure accounting: budgets, plans, reservations and the check-then-commit
+state (:class:`Book`), with no storage, no clock and no I/O. :mod:`edge_sdk.ledger.store`
+makes a :class:`Book` durable (the device's :class:`~edge_sdk.ledger.store.Ledger`); a
+simulator may use a :class:`Book` alone.
+
+Two guarantees, both epsilon in nats at a stated delta, both under ZERO-OUT adjacency
+(``../shared/DESIGN.md``, privacy model; :mod:`edge_sdk.privacy.events`): the neighbour of
+the device's data set replaces one record by a null record whose clipped gradient is 0
+(Kairouz et al. 2021). Zero-out, because check-in reveals the exact data size m and the
+remaining budget, which are the same in both zero-out neighbours but would make an
+add/remove guarantee infinite. Every stored event carries its own adjacency and is
+restated under zero-out soundly (substitution events unchanged; add/remove events of
+mechanisms that ignore the null record unchanged), or the ledger refuses it.
+
+* local: against anyone who sees this device's upload — the plan's event as released.
+  The budget is enforced on this one (it needs no trust).
+* aggregate: against whoever sees only the secure sum of the cohort — the plan's
+  ``aggregate_event``, built by :func:`edge_sdk.privacy.aggregate.aggregate_event` where a
+  theorem supports a smaller event than the local one (see its docstring: the released sum
+  must be linear in the members' updates, every step divided by the public batch size,
+  colluders excluded), and the local event everywhere else. The ledger stores it per entry
+  and never derives it. Valid only under the secure-aggregation threshold assumption
+  (fewer than ``secagg_threshold`` = t parties collude), the collusion assumption the plan
+  states (at most min_survivors - r'' members collude), and a SEMI-HONEST aggregator: it
+  follows the protocol (SecAgg's consistency round is not run, so an actively malicious
+  aggregator could unmask a smaller set than a device believes; devices refuse unmask
+  requests naming fewer than min_survivors). Entries written before the aggregate event was
+  stored (their event column holds one event) are read with the local event as their
+  aggregate event: conservative, never an under-count.
+
+Composition commutes, so an accountant's answer depends on the events only through their
+multiset; :class:`EpsilonCache` reuses answers per distinct multiset (plan15 R7).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import numbers
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias
+
+from edge_sdk.errors import EdgeError
+from edge_sdk.privacy import (
+    Composed,
+    DistributedDiscreteGaussian,
+    DistributedSkellam,
+    Event,
+    Gaussian,
+    PldAccountant,
+    PoissonSubsampledGaussian,
+    RdpAccountant,
+    SampledWithoutReplacementGaussian,
+    SelfComposed,
+    restate,
+)
+
+__all__ = [
+    "ADJACENCY",
+    "Book",
+    "Budget",
+    "BudgetExhausted",
+    "Entry",
+    "EntryKind",
+    "EpsilonCache",
+    "EpsilonOf",
+    "LedgerCorrupted",
+    "LedgerError",
+    "Plan",
+    "Reservation",
+    "Spent",
+    "entry_to_json",
+    "epsilon_pld",
+    "epsilon_rdp",
+    "event_from_json",
+    "event_to_json",
+    "running_epsilon",
+]
+
+EntryKind: TypeAlias = Literal["reserve", "commit", "abort"]
+#: An accountant as the ledger uses it: epsilon (nats) at ``delta`` of composing ``events``
+#: under zero-out adjacency (:data:`ADJACENCY`). Must be an upper bound on the true epsilon;
+#: may return ``inf``. Composition commutes, so it must depend on ``events`` only through
+#: their multiset: the ledger reuses an answer for the same events counted the same
+#: (:class:`EpsilonCache`).
+EpsilonOf: TypeAlias = Callable[[Sequence[Event], float], float]
+
+#: The adjacency every figure of the ledger is stated under (see the module docstring).
+ADJACENCY = "zero_out"
+# Entries written before events carried their adjacency: the relation each type was stated
+# under then (shuffle rounds' Gaussian(z/2) was charged as substitution).
+_LEGACY_ADJACENCY = {"Gaussian": "substitution", "PoissonSubsampledGaussian": "add_remove",
+                     "SampledWithoutReplacementGaussian": "substitution"}
+# Every kind of the privacy Event union. Kinds are only ever added (the discrete ones and
+# SelfComposed in issue 15, F1), so the store's SCHEMA_VERSION stays 1: older ledgers read
+# unchanged.
+_EVENT_TYPES: dict[str, type] = {
+    "Gaussian": Gaussian,
+    "PoissonSubsampledGaussian": PoissonSubsampledGaussian,
+    "SampledWithoutReplacementGaussian": SampledWithoutReplacementGaussian,
+    "DistributedDiscreteGaussian": DistributedDiscreteGaussian,
+    "DistributedSkellam": DistributedSkellam,
+    "Composed": Composed,
+    "SelfComposed": SelfComposed,
+}
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+class LedgerError(EdgeError):
+    """Root of the ledger's errors (an :class:`edge_sdk.errors.EdgeError`)."""
+
+
+class LedgerCorrupted(LedgerError):
+    """The ledger is missing, unreadable, tampered with or truncated: the device must not train."""
+
+
+class BudgetExhausted(LedgerError):
+    """The planned release would take the device's local epsilon over its owner's budget."""
+
+
+# ------------------------------------------------------------------------------- values
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_delta(delta: object) -> float:
+    if not (_is_real(delta) and 0 < delta < 1):  # type: ignore[operator]
+        raise ValueError(f"delta must be a number in (0, 1), got {delta!r}")
+    return float(delta)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Budget:
+    """The owner's budget: (epsilon, delta)-DP over the device's whole life, local view.
+
+    Attributes:
+        epsilon: the most epsilon (nats) the device may ever spend, at ``delta``; > 0, finite.
+        delta: the delta the budget is stated at, in (0, 1).
+    """
+
+    epsilon: float
+    delta: float
+
+    def __post_init__(self) -> None:
+        e = self.epsilon
+        if not (_is_real(e) and math.isfinite(e) and e > 0):
+            raise ValueError(f"budget epsilon must be a finite number > 0, got {e!r}")
+        _check_delta(self.delta)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """A release the device is about to make (one local round's upload).
+
+    Attributes:
+        round_id: the aggregator's round identifier.
+        model_id: the global model version the round trains from.
+        event: the privacy event of the local round, as released in the upload
+            (``LocalResult.event`` of :mod:`edge_sdk.train`).
+        aggregate_event: the event against whoever sees only the secure sum, as built by
+            :func:`edge_sdk.privacy.aggregate.aggregate_event`; None (the default) means
+            ``event``: no claim beyond the local view. Stored as given, never derived.
+        cohort_size: r', the fewest members whose updates the revealed sum contains (the
+            aggregator's min_survivors), recorded for the record; the accounting uses
+            ``aggregate_event`` only.
+        secagg_threshold: t of the secure aggregation the upload goes through (fewer than t
+            colluders learn nothing but the sum), or None for no secure aggregation; then
+            ``aggregate_event`` must be the local event. At most ``cohort_size``.
+    """
+
+    round_id: str
+    model_id: str
+    event: Event
+    aggregate_event: Event | None = None
+    cohort_size: int = 1
+    secagg_threshold: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("round_id", "model_id"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} must be a non-empty str, got {value!r}")
+        if not isinstance(self.event, tuple(_EVENT_TYPES.values())):
+            raise ValueError(
+                f"event must be one of {', '.join(_EVENT_TYPES)}, got {type(self.event).__name__}"
+            )
+        if self.aggregate_event is None:
+            object.__setattr__(self, "aggregate_event", self.event)
+        elif not isinstance(self.aggregate_event, tuple(_EVENT_TYPES.values())):
+            raise ValueError(f"aggregate_event must be one of {', '.join(_EVENT_TYPES)}, got "
+                             f"{type(self.aggregate_event).__name__}")
+        r, t = self.cohort_size, self.secagg_threshold
+        if t is None and self.aggregate_event != self.event:
+            raise ValueError("without secure aggregation (secagg_threshold=None) the aggregate "
+                             "event must be the local event")
+        if not (_is_int(r) and r >= 1):
+            raise ValueError(f"cohort_size must be an integer >= 1, got {r!r}")
+        if t is not None and not (_is_int(t) and 1 <= t <= r):
+            raise ValueError(
+                f"secagg_threshold must be None or an integer in [1, cohort_size={r}], got {t!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reservation:
+    """A counted spend (durable, from a :class:`~edge_sdk.ledger.store.Ledger`); pass it to
+    ``commit`` or ``abort`` of the ledger or :class:`Book` that made it.
+
+    Attributes:
+        seq: the reservation's entry number in the ledger.
+        plan: what was reserved.
+        hash: the reservation entry's chain hash (hex), so it cannot be confused with
+            another ledger's reservation; from a :class:`Book` alone (no chain), the sha256
+            of its seq and plan.
+    """
+
+    seq: int
+    plan: Plan
+    hash: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Spent:
+    """What a ledger has spent, every reservation counted whether committed or not.
+
+    Attributes:
+        local_epsilon: epsilon (nats) at ``delta`` against anyone who saw the uploads.
+        aggregate_epsilon: epsilon (nats) at ``delta`` against whoever saw only the secure
+            sums, valid only under the threshold, collusion and semi-honest-aggregator
+            assumptions (module docstring); equal to ``local_epsilon`` wherever no theorem
+            supports a smaller figure.
+        delta: the delta both are stated at.
+        entries: how many reservations (releases) the figures count.
+        adjacency: the neighbouring relation both are stated under (zero-out).
+    """
+
+    local_epsilon: float
+    aggregate_epsilon: float
+    delta: float
+    entries: int
+    adjacency: str = ADJACENCY
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Entry:
+    """One verified ledger entry.
+
+    Attributes:
+        seq: 1, 2, ... without gaps.
+        kind: ``"reserve"`` (a counted spend), ``"commit"`` (its upload left) or ``"abort"``
+            (the device says it did not leave; nothing is refunded).
+        reservation: for commit/abort, the ``seq`` of the reservation; None for reserve.
+        round_id: the round the entry is about.
+        model_id: the model version it trained from.
+        time: wall time of the write, seconds since the epoch (the injected clock).
+        event: the released mechanism (reserve only).
+        aggregate_event: the mechanism as seen through the secure sum (reserve only; the
+            local event for entries that predate it).
+        cohort_size: r', the fewest survivors the sum contains (reserve only).
+        secagg_threshold: t, or None without secure aggregation (reserve only).
+        prev_hash: the previous entry's hash (hex); the metadata's hash for entry 1.
+        hash: sha256(prev_hash || canonical row), hex.
+    """
+
+    seq: int
+    kind: EntryKind
+    reservation: int | None
+    round_id: str
+    model_id: str
+    time: float
+    event: Event | None
+    aggregate_event: Event | None
+    cohort_size: int | None
+    secagg_threshold: int | None
+    prev_hash: str
+    hash: str
+
+
+# --------------------------------------------------------------------- event encoding
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False).encode("ascii")
+
+
+def event_to_json(event: Event) -> dict[str, Any]:
+    """The event as plain data, ``{"type": class name, **fields}``, nested for Composed
+    (``events``: a list) and SelfComposed (``event``: an object, ``count``: an int).
+
+    Numbers are normalised by the field's declared type (``float`` or ``int``), so the same
+    mechanism always encodes to the same canonical JSON; ``adjacency`` is a string.
+
+    Raises:
+        ValueError: not a privacy event this module can store.
+    """
+    name = type(event).__name__
+    if _EVENT_TYPES.get(name) is not type(event):
+        raise ValueError(f"cannot store an event of type {name}; known: {', '.join(_EVENT_TYPES)}")
+    if isinstance(event, Composed):
+        return {"type": name, "events": [event_to_json(e) for e in event.events]}
+    if isinstance(event, SelfComposed):
+        return {"type": name, "event": event_to_json(event.event), "count": int(event.count)}
+    out: dict[str, Any] = {"type": name}
+    for f in dataclasses.fields(event):
+        value = getattr(event, f.name)
+        out[f.name] = (str(value) if f.name == "adjacency"
+                       else float(value) if f.type == "float" else int(value))
+    return out
+
+
+def event_from_json(data: Any, *, legacy: bool = False) -> Event:
+    """Inverse of :func:`event_to_json`: exact field set, JSON types checked, then the
+    event's own validation.
+
+    Args:
+        data: the decoded JSON.
+        legacy: the encoding of ledgers written before events carried their adjacency
+            (no ``adjacency`` field; each type gets the relation it was stated under then).
+
+    Raises:
+        ValueError: unknown type, missing or extra fields, wrong types or invalid values.
+    """
+    if not isinstance(data, dict):
+        raise ValueError(f"an event must be a JSON object, got {data!r}")
+    cls = _EVENT_TYPES.get(data.get("type"))  # type: ignore[arg-type]
+    if cls is None:
+        raise ValueError(
+            f"unknown event type {data.get('type')!r}; known: {', '.join(_EVENT_TYPES)}")
+    if cls is Composed:
+        if set(data) != {"type", "events"} or not isinstance(data["events"], list):
+            raise ValueError(f"a Composed event needs exactly a list 'events', got {data!r}")
+        return Composed(events=tuple(event_from_json(e, legacy=legacy) for e in data["events"]))
+    if legacy and cls.__name__ not in _LEGACY_ADJACENCY:
+        raise ValueError(f"a legacy entry cannot hold a {cls.__name__} event (a kind added "
+                         f"later); known then: Composed, {', '.join(_LEGACY_ADJACENCY)}")
+    if cls is SelfComposed:
+        if (set(data) != {"type", "event", "count"} or not isinstance(data["count"], int)
+                or isinstance(data["count"], bool)):
+            raise ValueError(
+                f"a SelfComposed event needs exactly an object 'event' and an int 'count', "
+                f"got {data!r}")
+        return SelfComposed(event=event_from_json(data["event"]), count=data["count"])
+    fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    if legacy:
+        del fields["adjacency"]
+    if set(data) != {"type", *fields}:
+        raise ValueError(f"{cls.__name__} needs exactly the fields {sorted(fields)}, got {data!r}")
+    kwargs = {}
+    for name, kind in fields.items():
+        value = data[name]
+        if name == "adjacency":
+            ok = isinstance(value, str)
+        elif kind == "float":
+            ok = isinstance(value, int | float)
+        else:
+            ok = isinstance(value, int)
+        if not ok or isinstance(value, bool):
+            raise ValueError(f"{cls.__name__}.{name} must be a JSON {kind}, got {value!r}")
+        kwargs[name] = value
+    if legacy:
+        kwargs["adjacency"] = _LEGACY_ADJACENCY[cls.__name__]
+    return cls(**kwargs)  # type: ignore[no-any-return]
+
+
+def _legacy_json(event: Event) -> dict[str, Any]:
+    """:func:`event_to_json` without the adjacency fields (the old canonical form)."""
+    out = event_to_json(event)
+    if isinstance(event, Composed):
+        out["events"] = [_legacy_json(e) for e in event.events]
+    else:
+        del out["adjacency"]
+    return out
+
+
+# ------------------------------------------------------------------------- accounting
+
+
+def _leaves(event: Event) -> Iterator[Event]:
+    if isinstance(event, Composed):
+        for e in event.events:
+            yield from _leaves(e)
+    elif isinstance(event, SelfComposed):
+        yield from _leaves(event.event)
+    else:
+        yield event
+
+
+def epsilon_rdp(events: Sequence[Event], delta: float) -> float:
+    """Epsilon (nats) at ``delta`` of composing ``events`` under zero-out adjacency, by the
+    RDP accountant; the ledger's default accountant.
+
+    Each event is restated under zero-out (:func:`edge_sdk.privacy.restate`); an event with
+    no sound restatement raises ValueError.
+    """
+    events = list(events)
+    if not events:
+        return 0.0
+    acc = RdpAccountant(adjacency=ADJACENCY)
+    for event, count in Counter(events).items():  # a device repeats few distinct events
+        acc.compose(event, count)
+    return acc.get_epsilon(delta)
+
+
+def epsilon_pld(events: Sequence[Event], delta: float) -> float:
+    """Epsilon (nats) at ``delta`` under zero-out adjacency, by the PLD accountant where it
+    applies (no sampling without replacement, no discrete events), never above the RDP
+    answer (both are upper bounds, so their minimum is one)."""
+    events = list(events)
+    rdp = epsilon_rdp(events, delta)
+    acc = PldAccountant(adjacency=ADJACENCY)
+    # No PLD for sampling without replacement or the discrete events: RDP alone then.
+    if not events or any(isinstance(leaf, SampledWithoutReplacementGaussian)
+                         or not acc.supports(leaf) for e in events for leaf in _leaves(e)):
+        return rdp
+    for event, count in Counter(events).items():
+        acc.compose(restate(event, ADJACENCY), count)
+    return min(acc.get_epsilon(delta), rdp)
+
+
+def _checked_epsilon(value: object, who: str) -> float:
+    if not _is_real(value) or math.isnan(value) or value < 0:  # type: ignore[arg-type,operator]
+        raise LedgerError(f"accountant {who} returned {value!r}; expected a number >= 0 or inf")
+    return float(value)  # type: ignore[arg-type]
+
+
+def _name(fn: object) -> str:
+    return getattr(fn, "__qualname__", repr(fn))
+
+
+def running_epsilon(
+    plans: Sequence[Plan], delta: float, accountant: EpsilonOf = epsilon_rdp
+) -> list[tuple[float, float]]:
+    """(local, aggregate) epsilon (nats) at ``delta`` after each of ``plans`` in turn."""
+    delta = _check_delta(delta)
+    out = []
+    for k in range(1, len(plans) + 1):
+        local = accountant([p.event for p in plans[:k]], delta)
+        agg = accountant([p.aggregate_event for p in plans[:k]], delta)
+        out.append((_checked_epsilon(local, _name(accountant)),
+                    _checked_epsilon(agg, _name(accountant))))
+    return out
+
+
+def entry_to_json(entry: Entry) -> dict[str, Any]:
+    """An entry as plain JSON-able data (the event through :func:`event_to_json`)."""
+    out = {f.name: getattr(entry, f.name) for f in dataclasses.fields(entry)}
+    out["event"] = None if entry.event is None else event_to_json(entry.event)
+    out["aggregate_event"] = (None if entry.aggregate_event is None
+                              else event_to_json(entry.aggregate_event))
+    return out
+
+
+# ------------------------------------------------------------------ the book (state)
+
+
+class EpsilonCache:
+    """Accountants' answers, memoised per accountant, distinct event multiset and delta.
+
+    The key is the events with their counts in order of first appearance
+    (``Counter(events).items()``): exactly what :func:`epsilon_rdp` and :func:`epsilon_pld`
+    compose, so for them a cached answer is bit-identical to a fresh one. For any other
+    :data:`EpsilonOf` the reuse is sound because composition commutes (it must depend on its
+    events only through their multiset). Only valid answers (a number >= 0 or inf) are kept.
+
+    One cache may serve many books (a simulation's devices repeat each other's histories); a
+    device's ledger has its own, where it saves the repeated evaluations of a round's budget
+    check, reservation and check-in. Bounded: past ``max_entries`` the least recently used
+    answer goes; ``max_entries=0`` keeps nothing (every query asks the accountant).
+
+    Attributes:
+        max_entries: the most answers kept.
+        hits: queries answered from the cache.
+        misses: queries the accountant answered.
+    """
+
+    __slots__ = ("_memo", "hits", "max_entries", "misses")
+
+    def __init__(self, *, max_entries: int = 4096) -> None:
+        if not (_is_int(max_entries) and max_entries >= 0):
+            raise ValueError(f"max_entries must be an integer >= 0, got {max_entries!r}")
+        self.max_entries = int(max_entries)
+        self.hits = 0
+        self.misses = 0
+        # key -> (accountant, epsilon); the accountant is kept so that its id() in the key
+        # cannot be reused by another function while the answer is held
+        self._memo: OrderedDict[tuple[Any, ...], tuple[EpsilonOf, float]] = OrderedDict()
+
+    def epsilon(self, accountant: EpsilonOf, counts: Counter[Event], delta: float,
+                events: Callable[[], list[Event]]) -> float:
+        """``accountant(events(), delta)``, checked, or the answer already given for the same
+        ``counts`` (the multiset of ``events()``, in order of first appearance).
+
+        Raises:
+            LedgerError: the accountant returned NaN, a negative number or a non-number.
+        """
+        key = (id(accountant), tuple(counts.items()), delta)
+        held = self._memo.get(key)
+        if held is not None and held[0] is accountant:
+            self._memo.move_to_end(key)
+            self.hits += 1
+            return held[1]
+        self.misses += 1
+        value = _checked_epsilon(accountant(events(), delta), _name(accountant))
+        if self.max_entries:
+            self._memo[key] = (accountant, value)
+            if len(self._memo) > self.max_entries:
+                self._memo.popitem(last=False)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._memo)
+
+    def __repr__(self) -> str:
+        return (f"EpsilonCache({len(self._memo)}/{self.max_entries} answers, "
+                f"hits={self.hits}, misses={self.misses})")
+
+
+class Book:
+    """The check-then-commit state of a privacy ledger, in memory: every reservation, which
+    were committed or aborted, and the budget check. Pure: no storage, no clock.
+
+    Spending is two-phase and never refunds: a reservation counts from the moment it is
+    added, whether later committed, aborted or neither. :meth:`reserve` checks the budget
+    and adds; :meth:`commit` and :meth:`abort` only record what became of a reservation.
+    :class:`~edge_sdk.ledger.store.Ledger` is a Book made durable: it checks with
+    :meth:`check`, writes the entry, and only then :meth:`add`\\s (or :meth:`close`\\s) it,
+    so the Book holds exactly what the file holds.
+
+    ``budget=None`` means no limit. It exists for simulating non-private baselines (their
+    epsilon is inf; plan15 R5) and nowhere else: a device's Ledger always has a finite
+    :class:`Budget` (its constructor refuses anything else).
+
+    Entries are numbered as in the ledger file: each reservation, commit and abort is one.
+
+    Args:
+        budget: the owner's budget, or None (simulation only) for no limit.
+        delta: the delta checks and reports are stated at without a budget (required then);
+            with a budget it must be None (the budget's delta).
+        accountant: ``epsilon_of(events, delta) -> epsilon``; default :func:`epsilon_rdp`.
+        cache: where answers are memoised; None gives the book its own
+            :class:`EpsilonCache`. Share one between books to reuse answers across them.
+    """
+
+    __slots__ = ("_aggregate", "_cache", "_closed", "_count", "_local", "_reservations",
+                 "accountant", "budget", "delta")
+
+    def __init__(self, *, budget: Budget | None, delta: float | None = None,
+                 accountant: EpsilonOf = epsilon_rdp, cache: EpsilonCache | None = None) -> None:
+        if budget is not None and not isinstance(budget, Budget):
+            raise ValueError(f"budget must be a Budget or None (no limit), got {budget!r}")
+        if budget is not None and delta is not None:
+            raise ValueError(f"with a budget, reports are at its delta={budget.delta:g}; "
+                             f"got delta={delta!r} too")
+        if budget is None and delta is None:
+            raise ValueError("a book without a budget needs the delta it reports at")
+        if not callable(accountant):
+            raise ValueError(f"accountant must be a callable, got {accountant!r}")
+        if cache is not None and not isinstance(cache, EpsilonCache):
+            raise ValueError(f"cache must be an EpsilonCache or None, got {cache!r}")
+        self.budget = budget
+        self.delta = budget.delta if budget is not None else _check_delta(delta)
+        self.accountant = accountant
+        self._cache = EpsilonCache() if cache is None else cache
+        self._reservations: dict[int, Reservation] = {}
+        self._closed: dict[int, EntryKind] = {}  # reservation seq -> "commit" | "abort"
+        self._count = 0  # entries so far (reservations, commits, aborts)
+        # every reservation's local and aggregate events, counted in order of first
+        # appearance: the cache key, kept as entries come so a check costs O(distinct)
+        self._local: Counter[Event] = Counter()
+        self._aggregate: Counter[Event] = Counter()
+
+    # ------------------------------------------------------------------------ epsilon
+
+    def _epsilon(self, view: Literal["local", "aggregate"], delta: float,
+                 extra: Event | None = None) -> float:
+        counts = self._local if view == "local" else self._aggregate
+        if extra is not None:
+            counts = counts.copy()  # keeps the order; extra goes last, as in the list
+            counts[extra] += 1
+        if not counts:
+            return 0.0
+
+        def events() -> list[Event]:
+            out = [getattr(r.plan, "event" if view == "local" else "aggregate_event")
+                   for r in self._reservations.values()]
+            return out if extra is None else [*out, extra]
+
+        return self._cache.epsilon(self.accountant, counts, delta, events)
+
+    def epsilon_if(self, plan: Plan) -> float:
+        """Local epsilon (nats) at :attr:`delta` after ``plan``, on top of every reservation
+        so far. Changes nothing."""
+        if not isinstance(plan, Plan):
+            raise ValueError(f"plan must be a Plan, got {plan!r}")
+        return self._epsilon("local", self.delta, plan.event)
+
+    def would_exceed(self, plan: Plan) -> bool:
+        """Whether reserving ``plan`` would take local epsilon over the budget (an answer
+        above the budget, or inf, is True). Changes nothing. Without a budget: False, and
+        the accountant is not asked."""
+        if not isinstance(plan, Plan):
+            raise ValueError(f"plan must be a Plan, got {plan!r}")
+        if self.budget is None:
+            return False
+        return not self.epsilon_if(plan) <= self.budget.epsilon
+
+    def check(self, plan: Plan) -> None:
+        """Refuse ``plan`` if it would take local epsilon over the budget (NaN-free answers
+        above it, or inf). Changes nothing; without a budget, refuses nothing.
+
+        Raises:
+            BudgetExhausted: naming the epsilon already spent, the plan's own epsilon and
+                the budget.
+            LedgerError: the accountant returned NaN, a negative number or a non-number.
+            ValueError: not a Plan, or the accountant cannot compose the plan's event with
+                the history.
+        """
+        if not isinstance(plan, Plan):
+            raise ValueError(f"plan must be a Plan, got {plan!r}")
+        if self.budget is None:  # simulation only: nothing to exceed, nothing to ask
+            return
+        delta, limit = self.delta, self.budget.epsilon
+        after = self._epsilon("local", delta, plan.event)
+        if after <= limit:
+            return
+        spent = self._epsilon("local", delta)
+        alone = self._cache.epsilon(self.accountant, Counter([plan.event]), delta,
+                                    lambda: [plan.event])
+        raise BudgetExhausted(
+            f"round {plan.round_id!r} refused: spent eps={spent:.6g}, this plan alone "
+            f"eps={alone:.6g}, together eps={after:.6g} > budget eps={limit:g} "
+            f"(local, at delta={delta:g})")
+
+    # ------------------------------------------------------------------------ entries
+
+    def add(self, reservation: Reservation) -> Reservation:
+        """Count ``reservation`` without checking the budget: for history already recorded
+        (the store adds each verified entry). Its seq must be the next entry's."""
+        if not isinstance(reservation, Reservation):
+            raise ValueError(f"reservation must be a Reservation, got {reservation!r}")
+        if reservation.seq != self._count + 1:
+            raise ValueError(f"reservation seq must be the next entry's, {self._count + 1}, "
+                             f"got {reservation.seq!r}")
+        plan = reservation.plan
+        assert plan.aggregate_event is not None
+        self._reservations[reservation.seq] = reservation
+        self._local[plan.event] += 1
+        self._aggregate[plan.aggregate_event] += 1
+        self._count += 1
+        return reservation
+
+    def close(self, seq: int, kind: Literal["commit", "abort"]) -> None:
+        """Record, as the next entry, that reservation ``seq`` was committed or aborted
+        (for history already recorded; :meth:`commit` and :meth:`abort` check more)."""
+        if kind not in ("commit", "abort"):
+            raise ValueError(f"kind must be 'commit' or 'abort', got {kind!r}")
+        if seq not in self._reservations:
+            raise ValueError(f"{kind} of unknown reservation {seq!r}")
+        if seq in self._closed:
+            raise ValueError(f"reservation {seq} closed twice")
+        self._closed[seq] = kind
+        self._count += 1
+
+    def reserve(self, plan: Plan) -> Reservation:
+        """Check the budget and count ``plan`` (in memory only: durable storage is the
+        store's :meth:`~edge_sdk.ledger.store.Ledger.reserve`).
+
+        Raises:
+            BudgetExhausted: the plan would exceed the budget; nothing is counted.
+            LedgerError, ValueError: as :meth:`check`.
+        """
+        self.check(plan)
+        seq = self._count + 1
+        assert plan.aggregate_event is not None
+        digest = hashlib.sha256(_canonical({
+            "seq": seq, "round_id": plan.round_id, "model_id": plan.model_id,
+            "local": event_to_json(plan.event), "aggregate": event_to_json(plan.aggregate_event),
+            "cohort_size": int(plan.cohort_size),
+            "secagg_threshold": (None if plan.secagg_threshold is None
+                                 else int(plan.secagg_threshold)),
+        })).hexdigest()
+        return self.add(Reservation(seq=seq, plan=plan, hash=digest))
+
+    def commit(self, reservation: Reservation) -> None:
+        """Record that the reservation's release left. Changes no figure; twice is a no-op.
+
+        Raises:
+            LedgerError: the reservation is not this book's, or was aborted.
+        """
+        self._finish(reservation, "commit")
+
+    def abort(self, reservation: Reservation) -> None:
+        """Record that the reservation's release did not leave. Refunds nothing; twice is
+        a no-op.
+
+        Raises:
+            LedgerError: the reservation is not this book's, or was committed.
+        """
+        self._finish(reservation, "abort")
+
+    def _finish(self, reservation: Reservation, kind: Literal["commit", "abort"]) -> None:
+        if not isinstance(reservation, Reservation):
+            raise ValueError(f"reservation must be a Reservation, got {reservation!r}")
+        if self._reservations.get(reservation.seq) != reservation:
+            raise LedgerError(f"reservation {reservation.seq} ({reservation.plan.round_id!r}) "
+                              "is not in this book")
+        done = self._closed.get(reservation.seq)
+        if done == kind:
+            return
+        if done is not None:
+            raise LedgerError(f"cannot {kind} reservation {reservation.seq}: it was already "
+                              f"recorded as {done}")
+        self.close(reservation.seq, kind)
+
+    # ------------------------------------------------------------------------ reports
+
+    def spent(self, delta: float | None = None) -> Spent:
+        """Local and aggregate epsilon (nats) at ``delta`` (default :attr:`delta`), every
+        reservation counted whether committed, aborted or neither: never an under-count."""
+        delta = self.delta if delta is None else _check_delta(delta)
+        if not self._reservations:
+            return Spent(local_epsilon=0.0, aggregate_epsilon=0.0, delta=delta, entries=0)
+        return Spent(local_epsilon=self._epsilon("local", delta),
+                     aggregate_epsilon=self._epsilon("aggregate", delta),
+                     delta=delta, entries=len(self._reservations))
+
+    def remaining(self) -> float:
+        """Local epsilon (nats) left in the budget at its delta (>= 0); inf without one."""
+        if self.budget is None:
+            return math.inf
+        return max(0.0, self.budget.epsilon - self.spent().local_epsilon)
+
+    def reservations(self) -> tuple[Reservation, ...]:
+        """Every reservation, oldest first, whatever became of it."""
+        return tuple(self._reservations.values())
+
+    def pending(self) -> tuple[Reservation, ...]:
+        """Reservations neither committed nor aborted. They count as spent all the same."""
+        return tuple(r for s, r in self._reservations.items() if s not in self._closed)
+
+    def reservation(self, seq: int) -> Reservation | None:
+        """The reservation recorded as entry ``seq``, or None."""
+        return self._reservations.get(seq)
+
+    def closed(self, seq: int) -> EntryKind | None:
+        """What became of reservation ``seq``: ``"commit"``, ``"abort"``, or None (pending
+        or unknown)."""
+        return self._closed.get(seq)
+
+    def __len__(self) -> int:
+        """Entries so far: reservations, commits and aborts."""
+        return self._count
+
+    def __repr__(self) -> str:
+        limit = "no budget" if self.budget is None else f"budget eps={self.budget.epsilon:g}"
+        return (f"Book({limit}, delta={self.delta:g}, {len(self._reservations)} reservations, "
+                f"{len(self.pending())} pending)")
