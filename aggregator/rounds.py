@@ -568,7 +568,8 @@ class RoundMachine:
         return frozenset(self._quarantine)
 
     def take_events(self) -> list[Event]:
-        """What happened since the last call (oldest first), and forget it."""
+        """What happened since the last call (oldest first), and forget it. A driver that
+        never takes them loses the oldest beyond the newest 4096, not memory."""
         out = list(self._events)
         self._events.clear()
         return out
