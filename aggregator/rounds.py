@@ -90,6 +90,7 @@ from edge_sdk.errors import (
 )
 from edge_sdk.fixedpoint import FixedPoint
 from edge_sdk.hazmat import graph
+from edge_sdk.mechanisms.gaussian import Gaussian, GaussianParams
 from edge_sdk.secagg import AggregatorIdentity, Registry, messages
 from edge_sdk.wire import (
     CheckIn,
@@ -838,18 +839,12 @@ class RoundMachine:
             return self._fail(now, str(e))
         survivors = r.server.survivors
         plan = r.plan
-        fp = FixedPoint(scale=plan.scale, bits=plan.bits)
-        mean = fp.decode(total, len(survivors)) / len(survivors)
         d = self.dimension
-        dense = np.zeros(d, dtype=np.float64)
-        if plan.sparsity < 1.0:
-            dense[compress.coordinate_set(plan.round_seed, d, plan.length)] = mean
-        else:
-            dense[:] = mean
-        delta, start = [], 0
-        for p in self._params:
-            delta.append(dense[start : start + p.size].reshape(p.shape).astype(np.float32))
-            start += p.size
+        coords = (None if plan.sparsity == 1.0
+                  else compress.coordinate_set(plan.round_seed, d, plan.length))
+        server = Gaussian().server(GaussianParams.from_plan(plan, dim=d))
+        delta, _ = server.decode(total, len(survivors), server.init(self._params),
+                                 coords=coords)
         params, state = self._opt.update(delta, self._opt_state, self._params)
         self._params = [np.asarray(p, dtype=np.float32) for p in params]
         self._opt_state = state

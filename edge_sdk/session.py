@@ -15,9 +15,10 @@ One round (DESIGN, "One round, as data flows"), for a device in the plan's cohor
 1. plan: refuse a round the ledger already holds a reservation for (the device took part
    before a restart: it must neither train nor upload again), a plan for another model
    version, or one the budget cannot pay for (``Ledger.would_exceed``): each gets a
-   :class:`~edge_sdk.wire.Decline`. Otherwise train (``edge_sdk.train.local_round`` with
-   the round's rand-k set), quantize (QSGD, optional), clamp to the plan's value bound,
-   encode in fixed point mod 2^bits, and advertise secure-aggregation keys.
+   :class:`~edge_sdk.wire.Decline`. Otherwise the mechanism's device half
+   (``edge_sdk.mechanisms.gaussian``) trains (``edge_sdk.train.local_round`` with the
+   round's rand-k set), quantizes (QSGD, optional), clamps to the plan's value bound and
+   encodes in fixed point mod 2^bits; then advertise secure-aggregation keys.
    The spend is **reserved in the ledger** (durable) after the budget check and before
    training: every later outcome may depend on the noisy update.
 2. neighbour keys -> share keys; forwarded shares -> mask the input and return the upload
@@ -86,12 +87,11 @@ from edge_sdk import compress, wire
 from edge_sdk.csprng import RoundRng
 from edge_sdk.engine import Engine
 from edge_sdk.errors import RemoteProtocolError
-from edge_sdk.fixedpoint import FixedPoint
 from edge_sdk.ledger import BudgetExhausted, Ledger, LedgerError, Plan, Reservation
-from edge_sdk.model import ModelSpec, flatten_params
-from edge_sdk.privacy.aggregate import aggregate_event
+from edge_sdk.mechanisms.gaussian import Gaussian, GaussianParams
+from edge_sdk.model import ModelSpec
 from edge_sdk.secagg import DeviceIdentity, Registry, SecAggClient, messages
-from edge_sdk.train import LocalTraining, TrainingDiverged, local_round, round_event
+from edge_sdk.train import TrainingDiverged
 from edge_sdk.wire import (
     CheckIn,
     Decline,
@@ -458,34 +458,21 @@ class DeviceSession:
             return self._decline(plan, "stale_model", f"holds model {self._version}, the "
                                                       f"plan trains {plan.model_version}")
         d = sum(math.prod(s) for s in self._shapes)
-        k = d if plan.sparsity == 1.0 else compress.kept_count(d, plan.sparsity)
-        if plan.length != k:
-            raise RemoteProtocolError(f"plan length {plan.length}, but rand-k at p = "
-                                      f"{plan.sparsity} of {d} parameters keeps {k}")
         try:
-            local = LocalTraining(steps=plan.steps, batch_size=plan.batch_size, lr=plan.lr,
-                                  clip=plan.clip, noise_multiplier=plan.noise_multiplier,
-                                  sampling=plan.sampling,  # type: ignore[arg-type]
-                                  sparsity=plan.sparsity)
-            FixedPoint(scale=plan.scale, bits=plan.bits).check_no_wrap(
-                plan.value_bound, len(plan.cohort))
+            mechanism = Gaussian().device(GaussianParams.from_plan(plan, dim=d))
         except ValueError as e:
             raise RemoteProtocolError(f"round {plan.round_id}'s plan: {e}") from None
         x, y = self._data()
         if len(y) == 0:
             return self._decline(plan, "no_data", "the local data set is empty")
-        event = round_event(len(y), local, k / d)
         # r'' = min_survivors - max_colluders, the larger of the plan's (the aggregator's
-        # word) and this device's own assumption, never below 1. Every upload
-        # below is clamped to value_bound and rounded to the fixed-point grid (and
-        # QSGD-quantized if set) before the sum: steps that can remove a member's noise, so
-        # the sum has no guarantee beyond the local one (linear_sum=False: the aggregate
-        # event is the local event).
+        # word) and this device's own assumption, never below 1 (the mechanism states
+        # what the sum of that many honest members' uploads is charged).
         honest = max(1, plan.min_survivors - max(plan.max_colluders, self._max_colluders))
+        event, aggregate = mechanism.events(m=len(y), honest=honest)
         ledger_plan = Plan(round_id=key, model_id=str(plan.model_version), event=event,
-                           aggregate_event=aggregate_event(event, honest_members=honest,
-                                                           linear_sum=False),
-                           cohort_size=plan.min_survivors, secagg_threshold=plan.threshold)
+                           aggregate_event=aggregate, cohort_size=plan.min_survivors,
+                           secagg_threshold=plan.threshold)
         try:
             if self._ledger.would_exceed(ledger_plan):
                 return self._decline(plan, "budget", f"epsilon would reach "
@@ -505,15 +492,11 @@ class DeviceSession:
         coords = (None if plan.sparsity == 1.0
                   else compress.coordinate_set(plan.round_seed, d, plan.length))
         try:
-            res = local_round(self._engine, self._params, x, y, local, rng, coords=coords)
+            residues = mechanism.contribute(params=self._params, data=(x, y),
+                                            engine=self._engine, coords=coords,
+                                            honest=honest, rng=rng).values
         except TrainingDiverged:
             return self._diverged(plan, reservation)
-        flat = flatten_params(res.update).astype(np.float64)
-        values = flat if coords is None else flat[coords]
-        if plan.quant_levels:
-            values = compress.dequantize(compress.quantize(values, plan.quant_levels, rng))
-        values = np.clip(values, -plan.value_bound, plan.value_bound)
-        residues = FixedPoint(scale=plan.scale, bits=plan.bits).encode(values, rng)
         client = SecAggClient(identity=self._idn, registry=self._reg,
                               config=plan.round_config(), random_bytes=self._random)
         out = self._send_secagg(client.advertise())
