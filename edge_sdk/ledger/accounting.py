@@ -473,7 +473,9 @@ class EpsilonCache:
     (``Counter(events).items()``): exactly what :func:`epsilon_rdp` and :func:`epsilon_pld`
     compose, so for them a cached answer is bit-identical to a fresh one. For any other
     :data:`EpsilonOf` the reuse is sound because composition commutes (it must depend on its
-    events only through their multiset). Only valid answers (a number >= 0 or inf) are kept.
+    events only through their multiset). Events equal under ``==`` are one key, as they are
+    one entry of the ``Counter`` the accountants compose. Only valid answers (a number >= 0
+    or inf) are kept.
 
     One cache may serve many books (a simulation's devices repeat each other's histories); a
     device's ledger has its own, where it saves the repeated evaluations of a round's budget
