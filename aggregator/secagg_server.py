@@ -210,7 +210,7 @@ class SecAggServer(_Base):
         self._u1: frozenset[str] = frozenset()
         self._sharekeys: dict[str, ShareKeys] = {}
         self._u2: frozenset[str] = frozenset()
-        self._sum = np.zeros(config.length, dtype=np.uint64)
+        self._sum = np.zeros(config.length, dtype=Ring(bits=config.bits).dtype)
         self._u3: list[str] = []
         self._requests: dict[str, UnmaskRequest] = {}
         self._responses: dict[str, UnmaskResponse] = {}
@@ -472,7 +472,8 @@ class SecAggServer(_Base):
         """Remove the masks that do not cancel; return the survivors' sum mod 2^bits.
 
         Returns:
-            uint64 array of ``config.length`` residues: sum of x_u over :attr:`survivors`.
+            ``config.length`` residues in the ring's dtype (uint32 at b = 32; sums wrap
+            mod its width, a multiple of 2^b): the sum of x_u over :attr:`survivors`.
 
         Raises:
             RoundFailed: as :meth:`recover`.
@@ -549,7 +550,7 @@ class AmortizedSecAggServer(_Base):
             raise ValueError("config.amortized is False: use SecAggServer")
         super().__init__(identity=identity, registry=registry, config=config)
         self._stage = ServerStage.COLLECT_MASKED
-        self._sum = np.zeros(config.length, dtype=np.uint64)
+        self._sum = np.zeros(config.length, dtype=Ring(bits=config.bits).dtype)
         self._u3: list[str] = []
         self._requests: dict[str, RevealRequest] = {}
         self._responses: dict[str, RevealResponse] = {}

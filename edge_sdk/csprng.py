@@ -14,8 +14,8 @@ Generator (fast-key-erasure, Bernstein 2017, on the mask PRG's stream)::
 
     key_0   = random_bytes(32)                       (os.urandom on a device)
     block_i = 4 + W uint64 words of prg.keystream_into(key_i, ...)
-                                                     (ChaCha20, RFC 8439, nonce 0; the same
-                                                     words as masking.prg_expand(key_i, 4 + W))
+                                                     (ChaCha20, RFC 8439, nonce 0; the words
+                                                     of prg.expand at a 64-bit ring)
     key_i+1 = words 0..3 of block_i                  (the old key is overwritten)
     output  = words 4 .. 4 + W - 1 of block_i        (uniform uint64 words)
 

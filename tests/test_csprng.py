@@ -56,16 +56,17 @@ def test_same_key_same_stream_fresh_key_other_stream() -> None:
 
 
 def test_words_are_the_mask_prg_with_fast_key_erasure() -> None:
-    from edge_sdk.hazmat.masking import prg_expand
+    from edge_sdk.hazmat.prg import expand
+    from edge_sdk.hazmat.ring import Ring
 
     key = _key("fke")(32)
     r = SecureRng(random_bytes=_key("fke"))
     first = r.words(10)
-    block = prg_expand(key, 4 + (1 << 15))
+    block = expand(key, 4 + (1 << 15), Ring(bits=64))
     assert np.array_equal(first, block[4:14])  # output skips the next key's 4 words
     # crossing a block boundary: the next block is keyed by the previous block's words 0..3
     r.words((1 << 15) - 10)
-    nxt = prg_expand(block[:4].tobytes(), 4 + (1 << 15))
+    nxt = expand(block[:4].tobytes(), 4 + (1 << 15), Ring(bits=64))
     assert np.array_equal(r.words(5), nxt[4:9])
     big = r.words((1 << 15) + 7)  # a request larger than a block gets its own block
     assert big.size == (1 << 15) + 7 and big.dtype == np.uint64
@@ -93,11 +94,12 @@ def test_normal_is_four_draws_summed_and_halved() -> None:
 
 def _uniform_stream(key: bytes, count: int) -> np.ndarray:
     """The generator's signed 53-bit uniforms, recomputed from the keystream by hand."""
-    from edge_sdk.hazmat.masking import prg_expand
+    from edge_sdk.hazmat.prg import expand
+    from edge_sdk.hazmat.ring import Ring
 
     words = []
     while sum(w.size for w in words) < count:
-        block = prg_expand(key, 4 + (1 << 15))
+        block = expand(key, 4 + (1 << 15), Ring(bits=64))
         key = block[:4].tobytes()
         words.append(block[4:])
     w = np.concatenate(words)[:count]

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from edge_sdk import wire
+from edge_sdk.hazmat.ring import Ring
 from edge_sdk.wire import Publish
 from tools.cli import main
 from tools.fleet import AGGREGATOR, DROP_STAGES, FLEET_NAME, DropoutSchedule, Fleet
@@ -54,7 +55,9 @@ def _assert_same_run(a: Fleet, b: Fleet) -> None:
             (ob.completed, ob.survivors, ob.detail, ob.model_version), r
         assert (oa.total is None) == (ob.total is None)
         if oa.total is not None:
-            assert oa.total.dtype == np.uint64 and np.array_equal(oa.total, ob.total), r
+            ring = Ring(bits=a.machine.policy.bits)
+            assert oa.total.dtype == ob.total.dtype == ring.dtype, r
+            assert np.array_equal(oa.total, ob.total), r
     for pa, pb in zip(a.machine.params, b.machine.params, strict=True):
         np.testing.assert_allclose(pa, pb, rtol=0, atol=1e-6)  # decoded floats
     assert [r["dropped"] for r in a.rows] == [r["dropped"] for r in b.rows]

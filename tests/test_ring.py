@@ -62,6 +62,32 @@ def test_wrapped_uint64_sums_read_as_the_exact_sum(b: int, data: st.DataObject) 
     assert (wrapped & ring.mask).tolist() == [v % ring.modulus for v in exact]
 
 
+@pytest.mark.parametrize(("b", "width"), [(1, 8), (8, 8), (9, 16), (16, 16), (17, 32),
+                                        (32, 32), (33, 64), (64, 64)])
+def test_dtype_is_the_narrowest_word_that_holds_b_bits(b: int, width: int) -> None:
+    assert Ring(bits=b).dtype == np.dtype(f"uint{width}")
+    top = np.array([0, (1 << b) - 1], dtype=np.uint64)
+    assert Ring(bits=b).check_residues(top).dtype == np.dtype(f"uint{width}")
+
+
+@FAST
+@given(b=st.sampled_from(BITS), data=st.data())
+def test_sums_in_the_ring_dtype_read_as_the_exact_sum(b: int, data: st.DataObject) -> None:
+    """Residues summed in the ring's own dtype (wrapping mod its width, a multiple of 2^b)
+    read as the integer sum mod 2^b: the aggregator sums masked uploads that way."""
+    ring = Ring(bits=b)
+    rows = [
+        data.draw(st.lists(st.integers(0, ring.modulus - 1), min_size=3, max_size=3))
+        for _ in range(data.draw(st.integers(1, 8)))
+    ]
+    total = np.zeros(3, dtype=ring.dtype)
+    for row in rows:
+        np.add(total, np.array(row, dtype=ring.dtype), out=total)
+    exact = [sum(col) for col in zip(*rows, strict=True)]
+    assert ring.to_signed(total).tolist() == [_centered(v, b) for v in exact]
+    assert [int(v) % ring.modulus for v in total] == [v % ring.modulus for v in exact]
+
+
 @FAST
 @given(b=st.sampled_from(BITS), data=st.data())
 def test_to_signed_reads_any_integer_dtype_mod_2_64(b: int, data: st.DataObject) -> None:
@@ -87,7 +113,7 @@ def test_pack_unpack_round_trip(b: int, data: st.DataObject) -> None:
     raw = ring.pack(v)
     assert len(raw) == (n * b + 7) // 8
     back = ring.unpack(raw, n)
-    assert back.dtype == np.uint64
+    assert back.dtype == ring.dtype and back.flags.writeable
     np.testing.assert_array_equal(back, v)
 
 

@@ -48,7 +48,7 @@ from edge_sdk.errors import (
     UnmaskRefused,
 )
 from edge_sdk.fixedpoint import FixedPoint
-from edge_sdk.hazmat import graph, masking
+from edge_sdk.hazmat import graph, masking, prg
 from edge_sdk.hazmat.graph import default_degree, default_threshold, neighbour_graph
 from edge_sdk.hazmat.masking import (
     amortized_pair_seed,
@@ -57,7 +57,6 @@ from edge_sdk.hazmat.masking import (
     derive_share_key,
     mask,
     mask_sign,
-    prg_expand,
     unmask,
 )
 from edge_sdk.hazmat.ring import Ring
@@ -269,30 +268,48 @@ def test_edge_sdk_does_not_import_aggregator() -> None:
 # --------------------------------------------------------------------------- PRG
 
 
-def test_prg_is_rfc8439_chacha20_keystream() -> None:
-    want = np.frombuffer(bytes.fromhex(RFC8439_A1_KEYSTREAM), dtype="<u8")
-    np.testing.assert_array_equal(prg_expand(bytes(32), 8), want)
+@pytest.mark.parametrize(("bits", "width"), [(1, "<u1"), (16, "<u2"), (32, "<u4"), (64, "<u8")])
+def test_prg_is_rfc8439_chacha20_keystream_at_the_ring_width(bits: int, width: str) -> None:
+    want = np.frombuffer(bytes.fromhex(RFC8439_A1_KEYSTREAM), dtype=width)
+    got = prg.expand(bytes(32), want.size, Ring(bits=bits))
+    assert got.dtype == Ring(bits=bits).dtype and got.dtype.itemsize == want.dtype.itemsize
+    np.testing.assert_array_equal(got, want)
+
+
+def test_prg_at_b32_reads_exactly_4_bytes_per_coordinate() -> None:
+    s = bytes(range(32))
+    words = prg.expand(s, 1001, Ring(bits=32))
+    assert words.dtype == np.uint32
+    assert words.astype("<u4").tobytes() == prg.keystream_bytes(s, 4 * 1001)
 
 
 def test_prg_prefix_consistent_and_seed_sensitive() -> None:
     s = bytes(range(32))
-    long = prg_expand(s, 1000)
-    np.testing.assert_array_equal(prg_expand(s, 17), long[:17])
-    assert prg_expand(s, 0).shape == (0,)
-    other = prg_expand(bytes(range(1, 33)), 1000)
+    ring = Ring(bits=64)
+    long = prg.expand(s, 1000, ring)
+    np.testing.assert_array_equal(prg.expand(s, 17, ring), long[:17])
+    assert prg.expand(s, 0, ring).shape == (0,)
+    other = prg.expand(bytes(range(1, 33)), 1000, ring)
     assert not np.any(long == other)
     assert long.dtype == np.uint64 and long.flags.writeable
+    buf = np.empty(17, dtype=np.uint32)
+    assert prg.expand(s, 17, Ring(bits=20), out=buf) is buf
+    with pytest.raises(ValueError, match="uint32 array of shape"):
+        prg.expand(s, 17, Ring(bits=32), out=np.empty(17, dtype=np.uint64))
 
 
 @pytest.mark.parametrize("seed", [b"", bytes(16), bytes(31), bytes(33), "x" * 32])
 def test_prg_requires_a_32_byte_seed(seed: Any) -> None:
     with pytest.raises(ValueError, match="seed must be 32 bytes"):
-        prg_expand(seed, 4)
+        prg.expand(seed, 4, Ring(bits=32))
 
 
 def test_prg_words_mod_2b_uniform() -> None:
-    for bits in (1, 4, 8):
-        w = prg_expand(hashlib.sha256(b"uniform").digest(), 1 << 15) & np.uint64((1 << bits) - 1)
+    for bits in (1, 4, 8, 12):
+        ring = Ring(bits=bits)
+        w = prg.expand(hashlib.sha256(b"uniform").digest(), 1 << 15, ring) & ring.dtype.type(
+            (1 << bits) - 1
+        )
         counts = np.bincount(w.astype(np.int64), minlength=1 << bits)
         assert stats.chisquare(counts).pvalue > ALPHA
 
@@ -314,7 +331,7 @@ def test_unmask_inverts_mask(bits: int, data: st.DataObject) -> None:
     )
     terms = data.draw(st.lists(st.tuples(signs, seeds32), max_size=4))
     y = mask(x, bits=bits, terms=terms)
-    assert y.dtype == np.uint64 and (bits == 64 or int(y.max()) < 1 << bits)
+    assert y.dtype == Ring(bits=bits).dtype and (bits == 64 or int(y.max()) < 1 << bits)
     np.testing.assert_array_equal(unmask(y, bits=bits, terms=terms), x)
 
 
@@ -360,12 +377,18 @@ def test_pairwise_masks_cancel_in_the_sum(bits: int, data: st.DataObject) -> Non
     )
 
 
-def test_mask_streams_the_same_words_as_prg_expand_across_chunks() -> None:
+@pytest.mark.parametrize("bits", [20, 32, 40])
+def test_mask_streams_the_same_words_as_prg_expand_across_chunks(bits: int) -> None:
     n = 3 * masking._CHUNK_WORDS + 123  # noqa: SLF001 (several chunks and a partial one)
-    x = np.arange(n, dtype=np.uint64)
+    ring = Ring(bits=bits)
+    x = np.arange(n, dtype=np.uint64) % ring.modulus
     s1, s2 = hashlib.sha256(b"s1").digest(), hashlib.sha256(b"s2").digest()
-    want = (x + prg_expand(s1, n) - prg_expand(s2, n)) & np.uint64(2**40 - 1)
-    np.testing.assert_array_equal(mask(x, bits=40, terms=[(1, s1), (-1, s2)]), want)
+    # the words at the ring's width, summed in Python integers (no wrap to rely on)
+    a, b = (prg.expand(s, n, ring).astype(object) for s in (s1, s2))
+    want = (x.astype(object) + a - b) % ring.modulus
+    got = mask(x, bits=bits, terms=[(1, s1), (-1, s2)])
+    assert got.dtype == ring.dtype
+    np.testing.assert_array_equal(got.astype(object), want)
 
 
 def test_mask_sign_convention() -> None:
@@ -595,18 +618,22 @@ def build_vectors() -> dict[str, Any]:
     advert = replace(advert, sig=signer.sign(advert.signing_bytes(cfg.digest())))
     graph_ids = [f"d{i}" for i in range(10)]
     return {
-        "about": "Golden vectors of edge_sdk.secagg wire formats (version fedge/secagg/v1); the "
+        "about": "Golden vectors of edge_sdk.secagg wire formats (version fedge/secagg/v2); the "
         "aggregator's tests read them too. Regenerate only with a new version label.",
         "prg": {
             "spec": "ChaCha20 (RFC 8439) keystream, key = seed, counter 0, nonce 0, as "
-            "little-endian uint64 words; masks are words & (2^b - 1)",
+            "little-endian unsigned words of the ring's width w (the narrowest of 8, 16, 32, "
+            "64 bits that holds b bits); masks are words & (2^b - 1)",
             "vectors": [
                 {
                     "seed_hex": s.hex(),
+                    "bits": b,
+                    "width": 8 * Ring(bits=b).dtype.itemsize,
                     "n_words": 8,
-                    "words": [str(w) for w in prg_expand(s, 8).tolist()],
+                    "words": [str(w) for w in prg.expand(s, 8, Ring(bits=b)).tolist()],
                 }
                 for s in (bytes(32), seed_a)
+                for b in (8, 16, 32, 64)
             ],
             "rfc8439_a1_keystream_hex": RFC8439_A1_KEYSTREAM,
         },
@@ -626,7 +653,7 @@ def build_vectors() -> dict[str, Any]:
             "context_hex": bytes(32).hex(),
             "pairwise_seed_hex": dh_seed.hex(),
             "bits": 16,
-            "mask_words": [int(w) & 0xFFFF for w in prg_expand(dh_seed, 4).tolist()],
+            "mask_words": [int(w) & 0xFFFF for w in prg.expand(dh_seed, 4, Ring(bits=16)).tolist()],
             "x_alice": xa.tolist(),
             "x_bob": xb.tolist(),
             "y_alice": ya.tolist(),
@@ -690,7 +717,11 @@ def test_golden_vectors_match_the_code() -> None:
 def test_golden_vectors_against_independent_oracles() -> None:
     g = json.loads(GOLDEN_PATH.read_text())
     ks = bytes.fromhex(g["prg"]["rfc8439_a1_keystream_hex"])
-    assert [int(w) for w in g["prg"]["vectors"][0]["words"]] == np.frombuffer(ks, "<u8").tolist()
+    zero_seed = [v for v in g["prg"]["vectors"] if v["seed_hex"] == bytes(32).hex()]
+    assert sorted(v["width"] for v in zero_seed) == [8, 16, 32, 64]
+    for v in zero_seed:  # the keystream cut into words of the ring's width
+        want = np.frombuffer(ks, f"<u{v['width'] // 8}")[: v["n_words"]].tolist()
+        assert [int(w) for w in v["words"]] == want
     sc = g["sign_convention"]
     assert sc["x25519_shared_hex"] == RFC7748_SHARED
     m = sc["mask_words"]
@@ -862,6 +893,7 @@ def test_secagg_sum_is_exact_under_dropouts_at_every_stage(
         assert not within, "a round within every neighbourhood's tolerance must not fail"
         assert server.stage is ServerStage.FAILED
         return
+    assert total.dtype == Ring(bits=cfg.bits).dtype  # summed at the ring's width, not widened
     uploaded = {d for d in cfg.cohort if drops.get(d) in (None, "unmask")}
     assert set(server.survivors) <= uploaded
     if within:

@@ -21,6 +21,7 @@ from aggregator.rounds import RoundMachine, RoundPolicy, SnapshotError
 from aggregator.store import CheckpointCorrupted, CheckpointStore
 from edge_sdk import secagg, wire
 from edge_sdk.csprng import seeded_round_rng
+from edge_sdk.hazmat.ring import Ring
 from edge_sdk.ledger import Budget, Ledger
 from edge_sdk.model import init_params
 from edge_sdk.secagg import messages
@@ -151,7 +152,8 @@ def _check_sums(fleet: Fleet) -> None:
             assert x is not None, (dev, o.round_id)
             want = want + x
         want &= np.uint64((1 << bits) - 1)
-        assert o.total.dtype == np.uint64 and np.array_equal(o.total, want), o.round_id
+        assert o.total.dtype == Ring(bits=bits).dtype and np.array_equal(o.total, want), \
+            o.round_id
 
 
 # ----------------------------------------------------------------------- scenarios

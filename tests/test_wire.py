@@ -144,7 +144,7 @@ def _mutate(msg: wire.WireMessage, **changes) -> bytes:
 
 
 @pytest.mark.parametrize(("name", "changes", "match"), [
-    ("checkin", {"v": 1}, "protocol version must be 2"),
+    ("checkin", {"v": 2}, "protocol version must be 3"),  # protocol 2 is refused
     ("checkin", {"v": True}, "protocol version"),
     ("checkin", {"kind": "nope"}, "unknown message kind"),
     ("checkin", {"device": "a/+"}, "field 'device'"),

@@ -5,16 +5,19 @@ seeds; they do not agree keys, check rounds or keep seeds secret. The recipes ar
 ``edge_sdk.secagg`` (device) and ``aggregator.secagg_server``. Everything here is a wire
 format, pinned by ``tests/golden/secagg_vectors.json``.
 
-Mask PRG (version ``fedge/secagg/v1``), :func:`prg_expand`::
+Mask PRG (version ``fedge/secagg/v2``, protocol 3), ``prg.expand(seed, n, ring)``::
 
+    w     = the ring's width: 8, 16, 32 or 64 bits, the narrowest that holds b bits
+            (``Ring.dtype``; 32 at b = 32)
     words = ChaCha20 (RFC 8439) keystream under key = seed (32 bytes), block counter 0,
             96-bit nonce 0 (cryptography's 16-byte nonce = 16 zero bytes),
-            cut into consecutive 8-byte little-endian unsigned integers w_0, w_1, ...
-    mask  = (w_0 .. w_{n-1}) & (2^b - 1)       (all ring arithmetic in numpy uint64)
+            cut into consecutive w-bit little-endian unsigned integers w_0, w_1, ...
+    mask  = (w_0 .. w_{n-1}) & (2^b - 1)       (ring arithmetic in the w-bit dtype)
 
-The seed 0^32 gives RFC 8439 Appendix A.1 test vector #1. ChaCha20 rather than AES-CTR
-because the fleet's ARM cores (Raspberry Pi 3/4) lack AES instructions. The stream and the
-HKDF are those of :mod:`edge_sdk.hazmat.prg`.
+Since 2^b divides 2^w, each mask is exactly uniform, and a w-bit sum wraps to the right
+residue. The seed 0^32 gives RFC 8439 Appendix A.1 test vector #1. ChaCha20 rather than
+AES-CTR because the fleet's ARM cores (Raspberry Pi 3/4) lack AES instructions. The stream
+and the HKDF are those of :mod:`edge_sdk.hazmat.prg`.
 
 Seed derivations (HKDF-SHA256, RFC 5869, L = 32; ``digest`` is the round's
 ``RoundConfig.digest()``; ``lp(s)`` is :func:`length_prefixed`: the UTF-8 of s prefixed by
@@ -62,7 +65,6 @@ __all__ = [
     "length_prefixed",
     "mask",
     "mask_sign",
-    "prg_expand",
     "unmask",
 ]
 
@@ -84,42 +86,6 @@ def length_prefixed(s: str) -> bytes:
     and AEAD associated data of the protocol)."""
     b = s.encode("utf-8")
     return len(b).to_bytes(2, "big") + b
-
-
-def prg_expand(seed: bytes, n_words: int, *, out: np.ndarray | None = None) -> np.ndarray:
-    """Expand a 32-byte seed into ``n_words`` uniform uint64 words (the mask PRG).
-
-    ChaCha20 keystream (RFC 8439) with key = seed, block counter 0, nonce 0, read as
-    little-endian uint64 words (module docstring). Masks are these words reduced mod 2^b
-    by ``& (2^b - 1)``; since 2^b divides 2^64, each masked word is exactly uniform.
-
-    Args:
-        seed: the 32-byte PRG key (a derived pairwise seed or a self-mask seed).
-        n_words: number of words, >= 0.
-        out: optional C-contiguous, writable uint64 array of length ``n_words`` to fill
-            (no allocation: the masking loop reuses one scratch buffer).
-
-    Returns:
-        A writable uint64 array of length ``n_words`` (``out`` when given).
-
-    Raises:
-        ValueError: seed not 32 bytes, n_words negative or not an integer, bad ``out``.
-    """
-    key = _check_bytes("seed", seed, SEED_BYTES)
-    n = _check_int("n_words", n_words, 0, _MAX_LENGTH)
-    if out is None:
-        out = np.empty(n, dtype=np.uint64)
-    elif not (
-        isinstance(out, np.ndarray)
-        and out.dtype == np.uint64
-        and out.shape == (n,)
-        and out.flags.c_contiguous
-        and out.flags.writeable
-    ):
-        raise ValueError(f"out must be a writable contiguous uint64 array of shape ({n},)")
-    if n:
-        prg.keystream_into(key, out)
-    return out
 
 
 def derive_pairwise_seed(shared_secret: bytes, *, context: bytes) -> bytes:
@@ -183,11 +149,13 @@ _CHUNK_WORDS = 1 << 15
 
 
 def _apply_terms(acc: np.ndarray, terms: Iterable[tuple[int, bytes]], direction: int) -> None:
-    """acc += direction * sum(sign * PRG(seed)), in place, mod 2^64.
+    """acc += direction * sum(sign * PRG(seed)), in place, mod 2^(acc's width).
 
-    Streams every term's keystream in chunks of 2^15 words (256 KiB), the terms inner, so
-    the chunk of acc and the keystream stay in cache; the words are exactly those of
-    :func:`prg_expand` (each term keeps one ChaCha20 stream across chunks).
+    ``acc`` is a ring's :attr:`~edge_sdk.hazmat.ring.Ring.dtype` array and the words are of
+    the same width, so nothing is widened. Streams every term's keystream in chunks of 2^15
+    words (128 KiB at 32 bits), the terms inner, so the chunk of acc and the keystream stay
+    in cache; the words are exactly those of ``prg.expand`` (each term keeps one ChaCha20
+    stream across chunks).
     """
     streams = []
     for sign, seed in terms:
@@ -199,7 +167,7 @@ def _apply_terms(acc: np.ndarray, terms: Iterable[tuple[int, bytes]], direction:
     if not n or not streams:
         return
     chunk = min(n, _CHUNK_WORDS)
-    words = np.empty(chunk, dtype=np.uint64)
+    words = np.empty(chunk, dtype=acc.dtype)
     for lo in range(0, n, chunk):
         m = min(chunk, n - lo)
         part, w = acc[lo : lo + m], words[:m]
@@ -211,11 +179,18 @@ def _apply_terms(acc: np.ndarray, terms: Iterable[tuple[int, bytes]], direction:
                 np.subtract(part, w, out=part)
 
 
+def _reduce(acc: np.ndarray, ring: Ring) -> np.ndarray:
+    if 8 * acc.dtype.itemsize != ring.bits:  # the dtype's own wrap-around already reduces
+        acc &= acc.dtype.type(ring.modulus - 1)
+    return acc
+
+
 def mask(x: np.ndarray, *, bits: int, terms: Iterable[tuple[int, bytes]]) -> np.ndarray:
     """Add masks to residues: ``x + sum(sign * PRG(seed)) mod 2^bits``.
 
     Bonawitz et al. Fig. 4 round 2: ``y_u = x_u + PRG(b_u) + sum_v sign(u, v) PRG(s_uv)``;
     the self mask is the term ``(+1, b_u)``, a pairwise one ``(mask_sign(u, v), s_uv)``.
+    PRG is ``prg.expand`` at the ring's width (module docstring).
 
     Args:
         x: 1-D integer array of residues in [0, 2^bits).
@@ -223,13 +198,12 @@ def mask(x: np.ndarray, *, bits: int, terms: Iterable[tuple[int, bytes]]) -> np.
         terms: (sign +-1, 32-byte seed) pairs.
 
     Returns:
-        New uint64 array of residues in [0, 2^bits).
+        New array of residues in [0, 2^bits), of the ring's dtype (uint32 at b = 32).
     """
-    b = _check_int("bits", bits, 1, 64)
-    acc = Ring(bits=b).check_residues(x, name="x")
+    ring = Ring(bits=_check_int("bits", bits, 1, 64))
+    acc = ring.check_residues(x, name="x")
     _apply_terms(acc, terms, +1)
-    acc &= Ring(bits=b).mask
-    return acc
+    return _reduce(acc, ring)
 
 
 def unmask(y: np.ndarray, *, bits: int, terms: Iterable[tuple[int, bytes]]) -> np.ndarray:
@@ -240,16 +214,18 @@ def unmask(y: np.ndarray, *, bits: int, terms: Iterable[tuple[int, bytes]]) -> n
     neighbour v, ``(mask_sign(u, v), s_uv)``.
 
     Args:
-        y: 1-D integer array in [0, 2^64), e.g. a uint64 running sum (2^bits divides 2^64,
-            so it need not be reduced first).
+        y: 1-D integer array in [0, 2^64), e.g. a running sum in the ring's dtype or in
+            uint64 (2^bits divides both ranges, so it need not be reduced first).
         bits: ring size exponent b, 1 <= b <= 64.
         terms: (sign +-1, 32-byte seed) pairs.
 
     Returns:
-        New uint64 array of residues in [0, 2^bits).
+        New array of residues in [0, 2^bits), of the ring's dtype.
     """
-    b = _check_int("bits", bits, 1, 64)
-    acc = Ring(bits=64).check_residues(y, name="y")  # a uint64 sum of residues: reduced below
+    ring = Ring(bits=_check_int("bits", bits, 1, 64))
+    a = np.asarray(y)
+    if not (a.ndim == 1 and a.dtype.kind == "u"):  # a wrapped unsigned sum needs no check
+        a = Ring(bits=64).check_residues(a, name="y")
+    acc = a.astype(ring.dtype, copy=True)  # wraps mod 2^width, a multiple of 2^bits
     _apply_terms(acc, terms, -1)
-    acc &= Ring(bits=b).mask
-    return acc
+    return _reduce(acc, ring)

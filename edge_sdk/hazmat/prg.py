@@ -9,7 +9,13 @@ coordinate set, the DDG rotation signs) and the device's CSPRNG read this stream
              (cryptography's 16-byte nonce = 16 zero bytes); key 0^32 gives RFC 8439
              Appendix A.1 test vector #1
     words  = the stream cut into consecutive little-endian unsigned integers
-             (uint64 for WordStream and the mask PRG; any unsigned dtype for keystream_into)
+             (uint64 for WordStream; the ring's width for the mask PRG, :func:`expand`;
+             any unsigned dtype for keystream_into)
+
+The mask PRG (version ``fedge/secagg/v2``, protocol 3) is :func:`expand`: n words of the
+ring's :attr:`~edge_sdk.hazmat.ring.Ring.dtype` (8, 16, 32 or 64 bits, the narrowest that
+holds b bits), a mask being ``words & (2^b - 1)``: exactly uniform, since 2^b divides the
+word's range, and no more keystream than the ring needs (4 bytes per coordinate at b = 32).
 
 Integers below n (1 <= n <= 2^64) come from the uint64 words by rejection: a word w below
 ``rejection_threshold(n) = 2^64 mod n`` is dropped and the next one read, so ``w mod n`` of an
@@ -35,7 +41,9 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from edge_sdk._validate import check_bytes as _check_bytes
 from edge_sdk._validate import check_int as _check_int
+from edge_sdk.hazmat.ring import Ring
 
 __all__ = [
     "KEY_BYTES",
@@ -43,6 +51,7 @@ __all__ = [
     "WordStream",
     "below",
     "derive_key",
+    "expand",
     "fisher_yates",
     "keystream_bytes",
     "keystream_into",
@@ -53,6 +62,7 @@ KEY_BYTES = 32
 """Length of every stream key and derived key in bytes (a full 256-bit ChaCha20 key)."""
 
 _TWO64 = 1 << 64
+_MAX_LENGTH = 1 << 31
 _NONCE = bytes(16)  # 32-bit block counter 0 + 96-bit nonce 0 (one key, one stream)
 
 
@@ -151,8 +161,8 @@ class Keystream:
 def keystream_into(key: bytes, out: np.ndarray) -> np.ndarray:
     """Fill ``out`` with the start of key's keystream, as little-endian unsigned integers.
 
-    With a uint64 ``out`` of length n this is the mask PRG's n words; with uint8, the first
-    ``out.size`` bytes. No allocation beyond a cached zero buffer.
+    With an ``out`` of a ring's dtype these are the mask PRG's words (:func:`expand`); with
+    uint8, the first ``out.size`` bytes. No allocation beyond a cached zero buffer.
 
     Returns:
         ``out``.
@@ -161,6 +171,46 @@ def keystream_into(key: bytes, out: np.ndarray) -> np.ndarray:
         ValueError: key not 32 bytes; out not a writable C-contiguous unsigned array.
     """
     return Keystream(key).into(out)
+
+
+def expand(seed: bytes, n: int, ring: Ring, *, out: np.ndarray | None = None) -> np.ndarray:
+    """The mask PRG: the first ``n`` words of seed's keystream at the ring's width.
+
+    Words are little-endian ``ring.dtype`` integers (module docstring); a mask is
+    ``words & (2^b - 1)``. The same words as ``keystream_into(seed, out)`` with such an out.
+
+    Args:
+        seed: the 32-byte PRG key (a derived pairwise seed or a self-mask seed).
+        n: number of words, 0 <= n <= 2^31.
+        ring: the ring whose :attr:`~edge_sdk.hazmat.ring.Ring.dtype` sets the width.
+        out: optional C-contiguous, writable array of ``ring.dtype`` and length n to fill
+            (no allocation: a masking loop reuses one buffer).
+
+    Returns:
+        A writable ``ring.dtype`` array of length n (``out`` when given).
+
+    Raises:
+        ValueError: seed not 32 bytes, n out of range, ring not a Ring, bad ``out``.
+    """
+    key = _check_bytes("seed", seed, KEY_BYTES)
+    count = _check_int("n", n, 0, _MAX_LENGTH)
+    if not isinstance(ring, Ring):
+        raise ValueError(f"ring must be a Ring, got {type(ring).__name__}")
+    if out is None:
+        out = np.empty(count, dtype=ring.dtype)
+    elif not (
+        isinstance(out, np.ndarray)
+        and out.dtype == ring.dtype
+        and out.shape == (count,)
+        and out.flags.c_contiguous
+        and out.flags.writeable
+    ):
+        raise ValueError(
+            f"out must be a writable contiguous {ring.dtype} array of shape ({count},)"
+        )
+    if count:
+        Keystream(key).into(out)
+    return out
 
 
 def keystream_bytes(key: bytes, n: int) -> bytes:

@@ -43,9 +43,9 @@ __all__ = [
     "encode_message",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Version carried by every message; a new value is a new wire format (2: the unmask
-request states the survivor count)."""
+request states the survivor count; 3: the mask PRG at the ring's width, fedge/secagg/v2)."""
 
 SIGNATURE_LABEL = b"fedge/secagg/v1/sig"
 

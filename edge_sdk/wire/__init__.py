@@ -69,7 +69,8 @@ __all__ = [
     "update_topic",
 ]
 
-PROTOCOL_VERSION = 2  # 2: RoundPlan.max_colluders, secagg v2 (unmask survivor_count)
+PROTOCOL_VERSION = 3  # 2: RoundPlan.max_colluders, secagg unmask survivor_count; 3: mask PRG
+# at the ring's width (fedge/secagg/v2), ring-dtype sums (also "<u2" arrays)
 
 # Topic layout (the broker's ACLs are written from the same functions, tools/broker.py):
 #
@@ -225,7 +226,7 @@ class Limits:
 LIMITS = Limits()
 
 _ROUND_HI = (1 << 63) - 1
-_DTYPES = ("<f4", "<f8", "<i4", "<i8", "<u4", "<u8", "|u1")
+_DTYPES = ("<f4", "<f8", "<i4", "<i8", "<u2", "<u4", "<u8", "|u1")
 _SAMPLING = ("poisson", "shuffle")
 
 

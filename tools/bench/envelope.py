@@ -113,7 +113,8 @@ import numpy as np
 from edge_sdk.csprng import SecureRng
 from edge_sdk.engine import load_engine
 from edge_sdk.model import init_params
-from edge_sdk.hazmat.masking import prg_expand
+from edge_sdk.hazmat.prg import expand
+from edge_sdk.hazmat.ring import Ring
 from edge_sdk.train import LocalTraining, local_round
 from models import ONNX_DIR
 model, samples, steps, batch, masks, dim = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
@@ -126,13 +127,14 @@ best = math.inf
 for _ in range(7):
     t = time.perf_counter(); np.matmul(a, b, out=c); best = min(best, time.perf_counter() - t)
 gflops = 2 * n ** 3 / best / 1e9
-buf = np.empty(dim, dtype=np.uint64)
+ring = Ring(bits=32)  # the fleet's ring: the mask PRG writes 4 bytes per value
+buf = np.empty(dim, dtype=ring.dtype)
 seeds = [bytes([i]) * 32 for i in range(masks)]
 prg = math.inf
 for _ in range(5):
     t = time.perf_counter()
     for s in seeds:
-        prg_expand(s, dim, out=buf)
+        expand(s, dim, ring, out=buf)
     prg = min(prg, time.perf_counter() - t)
 engine = load_engine(ONNX_DIR / f"{model}.json", threads=1)
 x = rng.standard_normal((samples, *engine.spec.input_shape)).astype(np.float32)

@@ -13,23 +13,28 @@ Command line: ``fedge bench secagg --clients N --dim D --dropout F [--neighbors 
 
 Timings (``time.perf_counter``, single process, best of ``reps`` where repeated):
 
-* ``client_mask_s``: one device's masking work: k X25519 agreements + HKDF for the
-  pairwise seeds, then k + 1 PRG expansions of d words added into the vector
-  (``edge_sdk.hazmat.masking.mask``). It is timed on fresh keys with exactly the functions and
-  the counts a surviving device of this round uses (k neighbours that all shared keys).
-  The representative device's real protocol steps, which also verify signatures,
-  open the sealed shares, pack and sign, are reported in ``client_stage_s``.
-* ``prg_bound_s`` (= ``client_prg_bound_s``): ``prg_expand`` alone for those k + 1 masks,
-  each written into one preallocated buffer (no allocation, no arithmetic): the physical
-  floor of the device's masking on this machine.
+* ``client_mask_s``: one device's masking at upload time: ``edge_sdk.hazmat.masking.mask``
+  of its d residues with the k + 1 seeds (self mask and k pairwise seeds) already derived,
+  as ``SecAggClient.mask_input`` does (the protocol derives the pairwise seeds in
+  ``share_keys``, a stage earlier): k + 1 PRG expansions of d ring-width words (4 bytes
+  each at b = 32) added into the vector. ``client_keyagree_s`` is that derivation on its
+  own: k X25519 agreements + HKDF. Both are timed on fresh keys with the counts a
+  surviving device of this round uses (k neighbours that all shared keys). The
+  representative device's real protocol steps, which also verify signatures, open the
+  sealed shares, pack and sign, are reported in ``client_stage_s``.
+* ``prg_bound_s`` (= ``client_prg_bound_s``): ``prg.expand`` alone for those k + 1 masks,
+  each written into one preallocated buffer of the ring's dtype (no allocation, no
+  arithmetic): ChaCha20 keystream of the ring's width per coordinate (1, 2, 4 or 8 bytes;
+  exactly 4 at b = 32), the physical floor of the device's masking on this machine.
+  ``client_mask_over_bound`` = ``client_mask_s`` / ``prg_bound_s``.
 * ``server_unmask_s``: the aggregator's :meth:`SecAggServer.finalize` in the real run:
   pairwise-seed agreement with each recovered mask key, PRG expansion of every mask that
   does not cancel (one self mask per survivor, one pairwise mask per (dropped device,
   surviving neighbour) pair) and their subtraction. Shamir reconstruction
   (:meth:`SecAggServer.recover`) is ``server_shamir_s``; summing the uploads as they
   arrive (signature checks, unpacking, additions) is ``server_collect_s``.
-* ``server_prg_bound_s``: ``prg_expand`` alone, into one buffer, for that many masks of
-  d words.
+* ``server_prg_bound_s``: ``prg.expand`` alone, into one buffer, for that many masks of
+  d ring-width words.
 * ``bytes_up_per_client``: the exact msgpack bytes the representative device sends in the
   round (advertise + sealed shares + masked input + unmask answer; MQTT framing, about 30
   bytes per message, not included). ``bytes_vector`` = ceil(d * b / 8) is the packed
@@ -49,7 +54,9 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from aggregator.secagg_server import SecAggServer
 from edge_sdk.errors import RoundFailed
-from edge_sdk.hazmat.masking import derive_pairwise_seed, mask, mask_sign, prg_expand
+from edge_sdk.hazmat import prg
+from edge_sdk.hazmat.masking import derive_pairwise_seed, mask, mask_sign
+from edge_sdk.hazmat.ring import Ring
 from edge_sdk.secagg import AggregatorIdentity, DeviceIdentity, Registry, RoundConfig, SecAggClient
 from edge_sdk.secagg.messages import decode_message, encode_message
 from tools.bench.client import machine
@@ -80,8 +87,9 @@ def _client_masking(
     peers: list[str],
     rng: np.random.Generator,
     reps: int,
-) -> tuple[float, float]:
-    """(masking time, PRG floor) of one device with ``degree`` neighbours, best of reps."""
+) -> tuple[float, float, float]:
+    """(masking with derived seeds, key agreement, PRG floor) of one device with ``degree``
+    neighbours, each the best of reps."""
     sk = X25519PrivateKey.from_private_bytes(rng.bytes(32))
     peer_pks = [
         X25519PrivateKey.from_private_bytes(rng.bytes(32)).public_key() for _ in range(degree)
@@ -93,34 +101,39 @@ def _client_masking(
         else rng.integers(0, 2**63, size=dim, dtype=np.uint64)
     )
 
-    def masking() -> None:
-        seeds = [derive_pairwise_seed(sk.exchange(pk), context=digest) for pk in peer_pks]
-        mask(
-            x,
-            bits=bits,
-            terms=[(1, self_seed)]
-            + [(mask_sign(me, v), s) for v, s in zip(peers, seeds, strict=True)],
-        )
+    def keyagree() -> list[bytes]:
+        return [derive_pairwise_seed(sk.exchange(pk), context=digest) for pk in peer_pks]
 
+    terms = [(1, self_seed)] + [
+        (mask_sign(me, v), s) for v, s in zip(peers, keyagree(), strict=True)
+    ]
+
+    def masking() -> None:
+        mask(x, bits=bits, terms=terms)
+
+    ring = Ring(bits=bits)
     seeds = [self_seed] + [rng.bytes(32) for _ in range(degree)]
-    buf = np.empty(dim, dtype=np.uint64)
+    buf = np.empty(dim, dtype=ring.dtype)
 
     def floor() -> None:
         for s in seeds:
-            prg_expand(s, dim, out=buf)
+            prg.expand(s, dim, ring, out=buf)
 
     masking()  # warm up allocator and cipher code paths
     floor()
-    return _best(masking, reps), _best(floor, reps)
+    return _best(masking, reps), _best(keyagree, reps), _best(floor, reps)
 
 
-def _server_floor(count: int, dim: int, rng: np.random.Generator, reps: int) -> float:
+def _server_floor(
+    count: int, dim: int, bits: int, rng: np.random.Generator, reps: int
+) -> float:
+    ring = Ring(bits=bits)
     seeds = [rng.bytes(32) for _ in range(count)]
-    buf = np.empty(dim, dtype=np.uint64)
+    buf = np.empty(dim, dtype=ring.dtype)
 
     def floor() -> None:
         for s in seeds:
-            prg_expand(s, dim, out=buf)
+            prg.expand(s, dim, ring, out=buf)
 
     return _best(floor, reps)
 
@@ -251,7 +264,7 @@ def run_secagg_bench(
     exact = total is not None and bool(np.array_equal(total, expected & ring))
     round_s = time.perf_counter() - started
 
-    client_mask_s, client_floor = _client_masking(
+    client_mask_s, client_keyagree_s, client_floor = _client_masking(
         dim=dim,
         bits=bits,
         degree=cfg.degree,
@@ -261,7 +274,9 @@ def run_secagg_bench(
         rng=rng,
         reps=reps,
     )
-    server_floor = _server_floor(server_masks, dim, rng, max(1, reps - 1)) if server_masks else None
+    server_floor = (
+        _server_floor(server_masks, dim, bits, rng, max(1, reps - 1)) if server_masks else None
+    )
 
     def r6(v: float | None) -> float | None:
         return None if v is None else round(v, 6)
@@ -270,6 +285,7 @@ def run_secagg_bench(
     result: dict[str, Any] = {
         "exact": exact,
         "client_mask_s": round(client_mask_s, 6),
+        "client_keyagree_s": round(client_keyagree_s, 6),
         "server_unmask_s": r6(unmask_s),
         "bytes_up_per_client": sum(sent_bytes.values()),
         "prg_bound_s": round(client_floor, 6),

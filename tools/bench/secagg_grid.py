@@ -17,7 +17,8 @@ An estimate is never reported as a measurement.
 Floors beside the measured times:
 
 * client masking and server unmasking: the ChaCha20 PRG expansion of the same number of
-  masks into one buffer (``prg_bound_s``, ``server_prg_bound_s`` from the round itself);
+  masks into one buffer of the ring's width (``prg_bound_s``, ``server_prg_bound_s`` from
+  the round itself);
 * the aggregator's running sum of the uploads (``server_collect_s``, which also verifies
   signatures and unpacks): survivors x one in-place uint64 addition of d words
   (:func:`tools.bench.floors.add_seconds`, memory bandwidth), measured in this process.
@@ -162,7 +163,9 @@ def run_secagg_grid(*, quick: bool = False, cells: list[tuple[int, int, float, b
     add_floor: dict[int, float] = {}
     print(f"# secure aggregation, one full round per configuration in a fresh process "
           f"(RLIMIT_AS {mem_cap_gib:g} GiB, limit {timeout_s:.0f} s), 32-bit ring; "
-          f"client masking and its PRG floor: best of {reps}; server times: the round's "
+          f"client masking (seeds derived, as at upload; key agreement is client_keyagree_s "
+          f"in the JSON) and its PRG floor (4 keystream bytes per value): best of {reps}; "
+          f"server times: the round's "
           "single run. Ratio = time / floor"
           + ("; --quick leaves d = 1e6, the full graph at n = 1000, and the 0 % dropout "
              "rows at n = 1000 and for the full graph, to the full run"
