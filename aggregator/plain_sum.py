@@ -61,7 +61,7 @@ class PlainSum:
         ValueError: any argument not as described (named).
     """
 
-    __slots__ = ("_ring", "_round_id", "_added", "_survivors", "_sum")
+    __slots__ = ("_added", "_length", "_ring", "_round_id", "_sum", "_survivors")
 
     def __init__(
         self,
@@ -109,7 +109,8 @@ class PlainSum:
             answered=past("unmask"),
         )
         self._ring = ring
-        self._sum = np.zeros(n, dtype=np.uint64)
+        self._length = n
+        self._sum: np.ndarray | None = None  # in the dtype the ring keeps residues in
         self._added: set[str] = set()
 
     @classmethod
@@ -160,19 +161,23 @@ class PlainSum:
         if device in self._added:
             raise ValueError(f"{device!r} was already added to round {self._round_id}")
         v = self._ring.check_residues(values, name=f"values of {device!r}")
-        if v.shape != self._sum.shape:
+        if v.size != self._length:
             raise ValueError(
-                f"values of {device!r} must have {self._sum.size} entries, got {v.size}"
+                f"values of {device!r} must have {self._length} entries, got {v.size}"
             )
-        # uint64 wraps mod 2^64, a multiple of 2^b: the sum reduced at the end is exact
-        np.add(self._sum, v, out=self._sum)
+        # summed in the ring's storage dtype, as SecAggServer sums: it wraps mod 2^(8w), a
+        # multiple of 2^b, so the sum reduced at the end is exact
+        if self._sum is None:
+            self._sum = v
+        else:
+            np.add(self._sum, v, out=self._sum)
         self._added.add(device)
 
     def total(self) -> np.ndarray:
         """The survivors' sum mod 2^bits, as ``SecAggServer.finalize`` returns it.
 
         Returns:
-            uint64 array of ``length`` residues.
+            ``length`` residues in the ring's storage dtype (``Ring.check_residues``').
 
         Raises:
             RoundFailed: the round fails (``round {id} failed: {why}``, as SecAggServer).
@@ -183,4 +188,6 @@ class PlainSum:
         missing = sorted(self._survivors.u3 - self._added)
         if missing:
             raise LocalProtocolError(f"total() before the values of survivors {missing}")
-        return self._sum & self._ring.mask
+        # a round that did not fail has a survivor (graph.upload_problem), so a sum
+        assert self._sum is not None
+        return self._sum & self._sum.dtype.type(self._ring.modulus - 1)
