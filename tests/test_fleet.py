@@ -12,11 +12,13 @@ import msgpack
 import numpy as np
 import pytest
 
+from aggregator.plain_sum import STAGES
 from edge_sdk import wire
 from edge_sdk.hazmat.ring import Ring
 from edge_sdk.wire import Publish
 from tools.cli import main
-from tools.fleet import AGGREGATOR, DROP_STAGES, FLEET_NAME, DropoutSchedule, Fleet
+from tools.dropouts import DropoutSchedule
+from tools.fleet import AGGREGATOR, DROP_STAGES, FLEET_NAME, Fleet
 from tools.simconfig import SimConfig
 
 # digits + logreg, few local steps: a protocol test, not a learning benchmark
@@ -78,6 +80,12 @@ def test_dropout_schedule_is_seeded_and_per_round() -> None:
     assert DropoutSchedule(0.0, seed=5).victims(1, cohort) == {}
     with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\), got 1.0"):
         DropoutSchedule(1.0, seed=5)
+
+
+def test_the_fleet_vanishes_at_the_schedules_stages() -> None:
+    """Every stage the schedule draws has its downlink kind in the fleet, in the same order
+    (the plain sum reads the same stages)."""
+    assert tuple(DROP_STAGES) == STAGES
 
 
 def test_fleet_settings_are_checked() -> None:

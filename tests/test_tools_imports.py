@@ -1,6 +1,7 @@
 """tools/ has no import cycle: the simulator's two paths and the experiments' runner and
-analyses depend on shared modules (tools.simconfig, tools.evaluate, tools.experiments.spec),
-never on each other, and each of those modules imports alone in a fresh interpreter.
+analyses depend on shared modules (tools.simconfig, tools.evaluate, tools.dropouts,
+tools.experiments.spec), never on each other, and each of those modules imports alone in a
+fresh interpreter.
 
 The static checks read the graph of ``tests/test_architecture.py`` (every import, at top
 level, inside a function or under ``TYPE_CHECKING``), which also checks that no package
@@ -23,7 +24,7 @@ from tools.simulate import simulate
 ROOT = Path(__file__).resolve().parent.parent
 
 # Neither path of the simulator may be pulled in by what both of them import.
-SHARED = {"tools.simconfig", "tools.evaluate"}
+SHARED = {"tools.simconfig", "tools.evaluate", "tools.dropouts"}
 PATHS = {"tools.simulate", "tools.fleet"}
 MODULES = sorted(SHARED | PATHS | {"tools.run", "tools.cli", "tools.experiments",
                                    "tools.experiments.spec", "tools.experiments.analyses"})

@@ -146,18 +146,26 @@ def _export(args: argparse.Namespace) -> int:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks against a reference measured in the same run")
     p.add_argument("what",
-                   choices=["all", "client", "stacks", "wire", "accountant", "secagg", "envelope"],
+                   choices=["all", "client", "stacks", "wire", "accountant", "secagg", "envelope",
+                            "compare"],
                    help="all: every benchmark, written to docs/benchmarks.md (shortfalls "
                         "against the issues' targets at the top); client: DP-SGD step, fedge "
                         "vs Opacus, beside the FLOP floor; stacks: import time and installed "
                         "size, device stack vs torch + Opacus; wire: bytes per upload; "
                         "accountant: fedge vs dp_accounting; secagg: one full SecAgg+ "
                         "round vs the mask PRG's floor (needs --clients, --dim, --dropout); "
-                        "envelope: one device round pinned to one core under 512 MiB. "
+                        "envelope: one device round pinned to one core under 512 MiB; "
+                        "compare BEFORE AFTER: every ratio of two `bench all --json-out` "
+                        "files, exit 1 where AFTER is worse beyond --noise "
+                        "(tools/bench/compare.py says how). "
                         "Peers come from tools/bench/requirements.txt")
+    p.add_argument("files", nargs="*", metavar="JSON",
+                   help="compare: the BEFORE and AFTER `fedge bench all --json-out` files")
     p.add_argument("--quick", action="store_true",
                    help="fewer configurations and repetitions (all: under 10 minutes)")
     p.add_argument("--json-out", help="write the rows as JSON here")
+    p.add_argument("--noise", type=float,
+                   help="compare: allowed relative change the wrong way (default 0.1)")
     g = p.add_argument_group("secagg")
     g.add_argument("--clients", type=int, help="cohort size n (>= 3)")
     g.add_argument("--dim", type=int, help="values per device d")
@@ -202,11 +210,22 @@ def _bench_secagg(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.what == "compare":
+        if len(args.files) != 2 or args.quick:
+            raise ValueError("bench compare takes two files, BEFORE and AFTER (and --noise, "
+                             "--json-out)")
+    elif args.files or args.noise is not None:
+        raise ValueError("JSON files and --noise are for bench compare only")
     if args.what != "secagg":
         given = [f"--{k}" for k in _SECAGG_ONLY if getattr(args, k) is not None]
         given += ["--full-graph"] * args.full_graph + ["--json"] * args.json
         if given:
             raise ValueError(f"{', '.join(given)} only apply to bench secagg")
+    if args.what == "compare":
+        from tools.bench.compare import run
+
+        noise = 0.1 if args.noise is None else args.noise
+        return run(*args.files, noise=noise, json_out=args.json_out)
     if args.what == "all":
         from tools.bench.report import run_all
 

@@ -17,12 +17,10 @@ seeds, so both transports produce the same rounds, bit for bit in the integer su
   machine's ``start_gate``), so the cohort (seeded by policy seed and round id over the
   sorted eligible devices) does not depend on message timing;
 * dropouts (``dropout = F``): for each round a seeded F of the cohort vanishes at a seeded
-  stage, on receipt of the message that opens it: ``keys`` (the plan: never advertises),
-  ``shares`` (neighbour keys: never shares), ``masked`` (forwarded shares: never uploads),
-  ``unmask`` (the unmask request: uploaded, never helps unmask). A vanished device answers
-  nothing; over MQTT its TCP connection is also cut (``MqttLoop.drop``: the broker sees a
-  network failure and publishes its will). It comes back once the round is over, with
-  whatever model and error notice it missed;
+  stage (``tools.dropouts``, which says what each stage means), on receipt of the message
+  that opens it. A vanished device answers nothing; over MQTT its TCP connection is also cut
+  (``MqttLoop.drop``: the broker sees a network failure and publishes its will). It comes
+  back once the round is over, with whatever model and error notice it missed;
 * a stage closes when every device still expected answered, or at its deadline. Missing
   devices are detected by deadline: when only vanished devices are still awaited, the
   aggregator's clock jumps to the deadline (on both transports the same rule, so the same
@@ -44,7 +42,7 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -71,13 +69,14 @@ from edge_sdk.wire import CheckIn, Publish
 from models import manifest_path
 from tools.broker import device_names
 from tools.datasets import Dataset, load_dataset
+from tools.dropouts import DropoutSchedule
 from tools.evaluate import evaluate
 from tools.inproc import MemoryBroker
 from tools.partition import partition
 from tools.simconfig import SimConfig
 from tools.summary import model_sha256, sum_sha256
 
-__all__ = ["DROP_STAGES", "DeviceAgent", "DropoutSchedule", "Fleet", "simulate_fleet"]
+__all__ = ["DROP_STAGES", "DeviceAgent", "Fleet", "simulate_fleet"]
 
 FLEET_NAME = "sim"
 AGGREGATOR = "aggregator"
@@ -104,34 +103,6 @@ def seeded_bytes(label: str) -> Callable[[int], bytes]:
         return bytes(out[:n])
 
     return random_bytes
-
-
-class DropoutSchedule:
-    """Which cohort members vanish in a round, and at which stage (seeded, cached).
-
-    ``round(fraction * len(cohort))`` members, drawn with ``default_rng([seed, 7, round])``
-    from the sorted cohort, each at a stage drawn uniformly from :data:`DROP_STAGES`.
-    """
-
-    def __init__(self, fraction: float, seed: int) -> None:
-        if not 0 <= fraction < 1:
-            raise ValueError(f"dropout must be in [0, 1), got {fraction!r}")
-        self.fraction = fraction
-        self.seed = seed
-        self._cache: dict[int, dict[str, str]] = {}
-
-    def victims(self, round_id: int, cohort: Sequence[str]) -> dict[str, str]:
-        """device -> stage name, for round ``round_id`` with this cohort."""
-        got = self._cache.get(round_id)
-        if got is None:
-            members = sorted(cohort)
-            m = min(len(members), round(self.fraction * len(members)))
-            rng = np.random.default_rng([self.seed, 7, round_id])
-            picked = rng.choice(len(members), m, replace=False) if m else []
-            stages = list(DROP_STAGES)
-            got = {members[int(i)]: stages[int(rng.integers(len(stages)))] for i in picked}
-            self._cache[round_id] = got
-        return got
 
 
 @dataclass(slots=True)

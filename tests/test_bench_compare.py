@@ -1,0 +1,153 @@
+"""tools/bench/compare.py (``fedge bench compare``): every ratio of two ``fedge bench all
+--json-out`` files side by side, failing where the second is worse beyond the noise.
+
+On small hand-written files (each verdict, both directions, the noise's edge) and on the
+real pre-issue-15 baseline (tests/data/bench_pre15_quick.json: ``fedge bench all --quick``
+of /work/main at 7c4bd51, 23 Nov 2026), compared with itself and with ratios made worse."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tools.bench.compare import DIRECTIONS, compare, load, run
+from tools.bench.report import TARGETS
+from tools.cli import main
+
+BASELINE = Path(__file__).parent / "data" / "bench_pre15_quick.json"
+
+
+def _file(tmp: Path, name: str, **sections: Any) -> Path:
+    p = tmp / name
+    p.write_text(json.dumps({"command": "fedge bench all --quick", "generated": "now",
+                             "machine": "test", "wall_s": 1.0, **sections, "checks": [],
+                             "shortfalls": []}))
+    return p
+
+
+def _verdicts(before: Path, after: Path, noise: float = 0.1) -> dict[tuple[str, str, str], str]:
+    return {(r.section, r.row, r.key): r.verdict
+            for r in compare(load(before), load(after), noise=noise)}
+
+
+def test_directions_agree_with_the_reports_targets() -> None:
+    for t in TARGETS:
+        assert DIRECTIONS[t.key] == ("higher" if t.op == ">=" else "lower"), t
+
+
+def test_the_real_baseline_against_itself_is_all_same(capsys: pytest.CaptureFixture[str]) -> None:
+    ratios = load(BASELINE)
+    # every direction in the table is exercised by the real file, and nothing is left out
+    assert {k for _, _, k in ratios} == set(DIRECTIONS)
+    assert main(["bench", "compare", str(BASELINE), str(BASELINE)]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(ratios)} ratios, noise 0.1: {len(ratios)} same; OK" in out
+    assert "| secagg | clients=1000, dim=100000, dropout=0.1, full_graph=False, bits=32 " \
+           "| client_mask_over_bound | lower | 1.444 | 1.444 | 1 | same |" in out
+
+
+def test_the_real_baseline_made_worse_fails_on_exactly_those_ratios(tmp_path: Path) -> None:
+    data = json.loads(BASELINE.read_text())
+    worse = copy.deepcopy(data)
+    row = next(r for r in worse["secagg"] if r["clients"] == 1000 and r["dim"] == 100_000)
+    row["client_mask_over_bound"] *= 1.5  # lower is better
+    worse["client"][4]["speed_ratio"] /= 1.5  # higher is better (cnn b32)
+    worse["client"][0]["speed_ratio"] *= 1.05  # within the noise
+    worse["stacks"]["size_ratio"] /= 2  # better
+    after = tmp_path / "after.json"
+    after.write_text(json.dumps(worse))
+    got = _verdicts(BASELINE, after)
+    bad = {k: v for k, v in got.items() if v != "same"}
+    assert bad == {
+        ("secagg", "clients=1000, dim=100000, dropout=0.1, full_graph=False, bits=32",
+         "client_mask_over_bound"): "worse",
+        ("client", "model=cnn, batch=32, threads=1", "speed_ratio"): "worse",
+        ("stacks", "", "size_ratio"): "better",
+    }
+    assert main(["bench", "compare", str(BASELINE), str(after)]) == 1
+    back = _verdicts(after, BASELINE)  # the other way round, better and worse swap
+    assert {k: v for k, v in back.items() if v != "same"} == {
+        k: {"worse": "better", "better": "worse"}[v] for k, v in bad.items()}
+    assert main(["bench", "compare", str(BASELINE), str(after), "--noise", "0.6"]) == 0
+
+
+def test_each_verdict_on_small_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = _file(
+        tmp_path, "before.json",
+        secagg=[{"clients": 10, "dim": 5, "client_mask_over_bound": 2.0,
+                 "server_unmask_over_bound": 1.0, "collect_over_floor": 0.0},
+                {"clients": 20, "dim": 5, "client_mask_over_bound": 2.0}],
+        accountant=[{"steps": 7, "rdp_speedup": 10.0, "pld_speedup": 4.0}],
+        stacks={"size_ratio": 0.2, "import_ratio": 0.1, "device_bytes": 5},
+        wire={"not_run": "no such thing"})
+    after = _file(
+        tmp_path, "after.json",
+        secagg=[{"clients": 10, "dim": 5, "client_mask_over_bound": 2.2,  # x1.1: the edge
+                 "server_unmask_over_bound": 1.3, "collect_over_floor": 1.0}],
+        accountant=[{"steps": 7, "rdp_speedup": 8.0, "pld_speedup": 4.4},
+                    {"steps": 9, "rdp_speedup": 1.0}],
+        stacks={"failed": "RuntimeError: boom"},
+        wire=[{"setting": "float32", "ratio_vs_float32": 1.0}])
+    row = "clients=10, dim=5"
+    assert _verdicts(before, after) == {
+        ("secagg", row, "client_mask_over_bound"): "same",  # exactly 1 + noise is not worse
+        ("secagg", row, "server_unmask_over_bound"): "worse",
+        ("secagg", row, "collect_over_floor"): "incomparable",
+        ("secagg", "clients=20, dim=5", "client_mask_over_bound"): "missing",
+        ("accountant", "steps=7", "rdp_speedup"): "worse",  # 10 -> 8: x1.25 worse
+        ("accountant", "steps=7", "pld_speedup"): "same",
+        ("stacks", "", "size_ratio"): "missing",
+        ("stacks", "", "import_ratio"): "missing",
+        ("accountant", "steps=9", "rdp_speedup"): "new",
+        ("wire", "setting=float32", "ratio_vs_float32"): "new",
+    }
+    assert _verdicts(before, after, noise=0.3)[("secagg", row, "server_unmask_over_bound")] \
+        == "same"
+    js = tmp_path / "cmp.json"
+    assert run(before, after, noise=0.1, json_out=js) == 1
+    rows = json.loads(js.read_text())
+    assert {r["verdict"] for r in rows} == {"same", "worse", "incomparable", "missing", "new"}
+    w = next(r for r in rows if r["key"] == "rdp_speedup" and r["row"] == "steps=7")
+    assert w["better"] == "higher" and w["worse_by"] == pytest.approx(1.25)
+    out = capsys.readouterr().out
+    assert "| accountant | steps=7 | rdp_speedup | higher | 10 | 8 | 1.25 | **worse** |" in out
+    assert out.rstrip().endswith("; FAIL")
+
+
+def test_repeated_rows_are_told_apart(tmp_path: Path) -> None:
+    rows = [{"model": "cnn", "speed_ratio": 2.0}, {"model": "cnn", "speed_ratio": 3.0}]
+    before = _file(tmp_path, "b.json", client=rows)
+    after = _file(tmp_path, "a.json", client=[rows[0], {"model": "cnn", "speed_ratio": 1.0}])
+    assert _verdicts(before, after) == {("client", "model=cnn", "speed_ratio"): "same",
+                                        ("client", "model=cnn #2", "speed_ratio"): "worse"}
+
+
+def test_bad_input_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = _file(tmp_path, "good.json", stacks={"size_ratio": 0.2})
+    unknown = _file(tmp_path, "unknown.json", stacks={"size_ratio": 0.2, "gzip_ratio": 3.0,
+                                                      "mystery_speedup": 1.0})
+    with pytest.raises(ValueError, match=r"ratios without a direction: \['stacks.gzip_ratio', "
+                                         r"'stacks.mystery_speedup'\]"):
+        load(unknown)
+    notbench = tmp_path / "x.json"
+    notbench.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a `fedge bench all --json-out` file"):
+        load(notbench)
+    garbage = tmp_path / "g.json"
+    garbage.write_text("{")
+    with pytest.raises(ValueError, match="not JSON"):
+        load(garbage)
+    with pytest.raises(ValueError, match="noise must be a finite number >= 0, got -0.1"):
+        compare({}, {}, noise=-0.1)
+    assert main(["bench", "compare", str(good), str(unknown)]) == 2
+    assert main(["bench", "compare", str(good)]) == 2
+    assert main(["bench", "compare", str(good), str(tmp_path / "absent.json")]) == 2
+    assert main(["bench", "wire", "--noise", "0.2"]) == 2
+    assert main(["bench", "wire", str(good)]) == 2
+    err = capsys.readouterr().err
+    assert "bench compare takes two files" in err
+    assert "JSON files and --noise are for bench compare only" in err

@@ -1,0 +1,245 @@
+"""``fedge bench compare BEFORE AFTER``: every ratio of two ``fedge bench all --json-out``
+files side by side; exit 1 where AFTER is worse than BEFORE by more than the noise.
+
+Only ratios are compared: each is measured against a reference in the same run (report.py),
+so it carries over between runs far better than a raw time does. A ratio is a numeric field
+of a section's row (or of a one-row section) whose name is in :data:`DIRECTIONS`, which says
+for each whether higher or lower is better, from how the benchmark computes it (the
+formula is beside each entry; ``report.TARGETS``' ``>=``/``<=`` agree, which
+tests/test_bench_compare.py checks). A numeric field whose name looks like a ratio
+(:data:`RATIO_NAME`) but is not in the table is an error: a new ratio must be given its
+direction here before it can be compared, never silently skipped.
+
+Rows are matched by their configuration fields (:data:`ROW_KEYS`: model, batch, cohort
+size, transport, ...). With ``noise`` = n, a ratio is
+
+* ``worse`` when it moved the wrong way by more than a factor 1 + n: ``after > before *
+  (1 + n)`` for a lower-is-better ratio, ``after < before / (1 + n)`` for a higher-is-better
+  one (the same test on the log scale both ways);
+* ``better`` when it moved the right way by more than that factor, else ``same``;
+* ``missing`` when BEFORE has it and AFTER does not (the section did not run or failed, the
+  row is gone): it cannot be shown not to be worse;
+* ``incomparable`` when one side is zero, negative or not finite and they differ;
+* ``new`` when only AFTER has it (reported, never a failure).
+
+``worse``, ``missing`` and ``incomparable`` make the exit status 1. The plan (issue 15 §6.4)
+takes the noise as max/min - 1 of a ratio over three baseline runs, at least 0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal, TextIO
+
+__all__ = ["DIRECTIONS", "FAILING", "RATIO_NAME", "ROW_KEYS", "Comparison", "compare", "load",
+           "main", "print_table", "run"]
+
+Better = Literal["higher", "lower"]
+
+DIRECTIONS: Mapping[str, Better] = {
+    # client: fedge / Opacus samples per second; fedge / the matmul FLOP floor's samples/s
+    "speed_ratio": "higher",
+    "fedge_fraction_of_floor": "higher",
+    # client: fedge / Opacus peak RSS
+    "rss_ratio": "lower",
+    # stacks: device stack / torch + Opacus, installed bytes and import seconds
+    "size_ratio": "lower",
+    "import_ratio": "lower",
+    # accountant: dp_accounting seconds / fedge seconds
+    "rdp_speedup": "higher",
+    "pld_speedup": "higher",
+    "pld_dpa_grid_speedup": "higher",
+    "pld_tighter_grid_speedup": "higher",
+    # secagg: seconds / the PRG (or memory-bandwidth) floor's seconds
+    "client_mask_over_bound": "lower",
+    "server_unmask_over_bound": "lower",
+    "collect_over_floor": "lower",
+    # fleet_mqtt: MQTT device-rounds/min / in-process device-rounds/min
+    "vs_inproc": "higher",
+    # wire: float32 FedAvg's bytes / this setting's bytes
+    "ratio_vs_float32": "higher",
+    # envelope: peak RSS / the memory cap
+    "rss_over_cap": "lower",
+}
+
+RATIO_NAME = re.compile(r"ratio|speedup|_over_|fraction_of|(^|_)vs_")
+"""Field names that look like ratios: each must be in :data:`DIRECTIONS`."""
+
+ROW_KEYS = ("model", "batch", "threads", "steps", "clients", "dim", "dropout", "full_graph",
+            "bits", "devices", "transport", "setting")
+"""The fields that name a row's configuration (the rest are measurements)."""
+
+# top-level fields of the JSON that are not sections
+_META = frozenset({"command", "generated", "machine", "wall_s", "checks", "shortfalls"})
+
+Verdict = Literal["worse", "better", "same", "missing", "incomparable", "new"]
+FAILING: frozenset[str] = frozenset({"worse", "missing", "incomparable"})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Comparison:
+    """One ratio in both files.
+
+    Attributes:
+        section, row, key: where it is (``row`` is its configuration, "" for a one-row
+            section).
+        better: "higher" or "lower".
+        before, after: the values (None where absent).
+        worse_by: how many times worse AFTER is (> 1 worse, < 1 better), or None.
+        verdict: see the module docstring.
+    """
+
+    section: str
+    row: str
+    key: str
+    better: Better
+    before: float | None
+    after: float | None
+    worse_by: float | None
+    verdict: Verdict
+
+
+def load(path: str | Path) -> dict[tuple[str, str, str], float]:
+    """The ratios of one ``fedge bench all --json-out`` file: {(section, row, key): value}.
+
+    Raises:
+        ValueError: not such a JSON object, or a ratio-like field without a direction.
+        FileNotFoundError: no such file.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    if not isinstance(data, dict) or "command" not in data:
+        raise ValueError(f"{path}: not a `fedge bench all --json-out` file (no 'command')")
+    out: dict[tuple[str, str, str], float] = {}
+    unknown: set[str] = set()
+    for section, value in data.items():
+        if section in _META:
+            continue
+        for row, fields in _rows(value):
+            for key, v in fields.items():
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    continue
+                if key in DIRECTIONS:
+                    out[(section, row, key)] = float(v)
+                elif RATIO_NAME.search(key):
+                    unknown.add(f"{section}.{key}")
+    if unknown:
+        raise ValueError(f"{path}: ratios without a direction: {sorted(unknown)}; add them "
+                         f"to DIRECTIONS in {__name__}")
+    return out
+
+
+def _rows(value: Any) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """(row name, fields) of a section: its list's rows, or the section itself as one row;
+    a section that did not run has none."""
+    if isinstance(value, Mapping):
+        if "not_run" not in value and "failed" not in value:
+            yield "", value
+        return
+    if not isinstance(value, list):
+        return
+    seen: dict[str, int] = {}
+    for r in value:
+        if not isinstance(r, Mapping):
+            continue
+        name = ", ".join(f"{k}={r[k]}" for k in ROW_KEYS if k in r)
+        seen[name] = seen.get(name, 0) + 1
+        yield (name if seen[name] == 1 else f"{name} #{seen[name]}"), r
+
+
+def compare(before: Mapping[tuple[str, str, str], float],
+            after: Mapping[tuple[str, str, str], float], *,
+            noise: float = 0.1) -> list[Comparison]:
+    """Every ratio of either side, in BEFORE's order then AFTER's new ones (module
+    docstring for the verdicts).
+
+    Raises:
+        ValueError: noise negative or not finite.
+    """
+    if not (math.isfinite(noise) and noise >= 0):
+        raise ValueError(f"noise must be a finite number >= 0, got {noise!r}")
+    keys = list(before) + [k for k in after if k not in before]
+    out = []
+    for k in keys:
+        better = DIRECTIONS[k[2]]
+        b, a = before.get(k), after.get(k)
+        worse_by = None
+        if b is None:
+            verdict: Verdict = "new"
+        elif a is None:
+            verdict = "missing"
+        elif a == b:
+            verdict, worse_by = "same", 1.0
+        elif not all(math.isfinite(x) and x > 0 for x in (a, b)):
+            verdict = "incomparable"
+        else:
+            worse_by = a / b if better == "lower" else b / a
+            verdict = ("worse" if worse_by > 1 + noise else
+                       "better" if worse_by < 1 / (1 + noise) else "same")
+        out.append(Comparison(section=k[0], row=k[1], key=k[2], better=better, before=b,
+                              after=a, worse_by=worse_by, verdict=verdict))
+    return out
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4g}"
+
+
+def print_table(rows: Sequence[Comparison], *, noise: float, out: TextIO) -> None:
+    """The comparison as a markdown table, then one summary line."""
+    print("| section | row | ratio | better | before | after | after is x worse | verdict |",
+          file=out)
+    print("|---|---|---|---|---|---|---|---|", file=out)
+    for r in rows:
+        mark = f"**{r.verdict}**" if r.verdict in FAILING else r.verdict
+        print(f"| {r.section} | {r.row} | {r.key} | {r.better} | {_fmt(r.before)} "
+              f"| {_fmt(r.after)} | {_fmt(r.worse_by)} | {mark} |", file=out)
+    bad = [r for r in rows if r.verdict in FAILING]
+    counts = {v: sum(r.verdict == v for r in rows) for v in
+              ("worse", "missing", "incomparable", "better", "same", "new")}
+    print(f"\n{len(rows)} ratios, noise {noise:g}: "
+          + ", ".join(f"{n} {v}" for v, n in counts.items() if n)
+          + ("; FAIL" if bad else "; OK"), file=out)
+
+
+def run(before: str | Path, after: str | Path, *, noise: float = 0.1,
+        json_out: str | Path | None = None, out: TextIO | None = None) -> int:
+    """Compare two files, print the table to ``out`` (default: stdout) and write the rows as
+    JSON to ``json_out``; returns the exit status: 1 if any ratio is worse, missing or
+    incomparable, else 0."""
+    rows = compare(load(before), load(after), noise=noise)
+    print_table(rows, noise=noise, out=sys.stdout if out is None else out)
+    if json_out is not None:
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_out).write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
+    return int(any(r.verdict in FAILING for r in rows))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m tools.bench.compare BEFORE AFTER [--noise N]`` (as ``fedge bench
+    compare``); exit 2 on unreadable input."""
+    p = argparse.ArgumentParser(prog="fedge bench compare", description=__doc__.splitlines()[0])
+    p.add_argument("before")
+    p.add_argument("after")
+    p.add_argument("--noise", type=float, default=0.1,
+                   help="allowed relative change the wrong way (default 0.1)")
+    p.add_argument("--json-out", help="write the comparison rows as JSON here")
+    args = p.parse_args(argv)
+    try:
+        return run(args.before, args.after, noise=args.noise, json_out=args.json_out)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"fedge bench compare: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
