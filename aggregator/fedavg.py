@@ -9,11 +9,24 @@ import numpy as np
 __all__ = ["mean_update", "select_cohort"]
 
 
-def select_cohort(n: int, r: int, rng: np.random.Generator) -> np.ndarray:
-    """r distinct device indices out of n, uniformly without replacement (Alg. 1 line 2)."""
-    if not 1 <= r <= n:
-        raise ValueError(f"cohort size r must be in [1, n={n}], got {r!r}")
-    return np.sort(rng.choice(n, size=r, replace=False))
+def select_cohort(names: Sequence[str], size: int, *, seed: int,
+                  round_id: int) -> tuple[str, ...]:
+    """``size`` distinct names out of ``names``, uniformly without replacement (zCDP paper
+    Alg. 1 line 2), sorted.
+
+    The draw is ``default_rng([seed, round_id]).choice`` over the names in sorted order, so
+    it depends only on the seed, the round and the set of names: the round machine's cohort
+    (``RoundPolicy.seed``; a deployment's seed is public, the cohort is not secret) and the
+    fast simulator's are the same draw.
+    """
+    pool = sorted(names)
+    if len(set(pool)) != len(pool):
+        raise ValueError(f"device names must be distinct, got {len(pool)} names with repeats")
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= len(pool):
+        raise ValueError(f"cohort size must be an integer in [1, {len(pool)}] (the names "
+                         f"given), got {size!r}")
+    rng = np.random.default_rng([seed, round_id])
+    return tuple(sorted(pool[i] for i in rng.choice(len(pool), size, replace=False)))
 
 
 def mean_update(

@@ -78,6 +78,7 @@ import msgpack
 import numpy as np
 
 from aggregator.errors import AggregatorError
+from aggregator.fedavg import select_cohort
 from aggregator.guard import FloodGuard, FloodLimits
 from aggregator.optimizers import OPTIMIZERS
 from aggregator.secagg_server import CLOSE, RECV, SecAggServer, ServerStage
@@ -120,6 +121,7 @@ __all__ = [
     "SnapshotError",
     "StageChanged",
     "StatusSeen",
+    "round_secrets",
 ]
 
 logger = logging.getLogger("aggregator.rounds")
@@ -411,6 +413,14 @@ class _Round:
     reassembler: wire.Reassembler
     next_resend: float = math.inf
     resends: int = 0
+
+
+def round_secrets(random_bytes: Callable[[int], bytes]) -> tuple[bytes, bytes]:
+    """A round's (round_seed, nonce), 32 bytes each, drawn from ``random_bytes`` in that
+    order: the only draws a :class:`RoundMachine` makes from its source, one pair per round
+    it starts (a simulator that replays a seeded source replays the rounds' seeds)."""
+    round_seed = random_bytes(32)
+    return round_seed, random_bytes(32)
 
 
 def _tree_leaves(tree: Any) -> list[np.ndarray]:
@@ -929,9 +939,9 @@ class RoundMachine:
     def _start(self, now: float, eligible: list[str]) -> list[Publish]:
         pol = self.policy
         round_id = self._last_round + 1
-        rng = np.random.default_rng([pol.seed, round_id])
         n = min(pol.cohort_size, len(eligible))
-        cohort = tuple(sorted(eligible[i] for i in rng.choice(len(eligible), n, replace=False)))
+        cohort = select_cohort(eligible, n, seed=pol.seed, round_id=round_id)
+        round_seed, nonce = round_secrets(self._random)
         d = self.dimension
         k = d if pol.sparsity == 1.0 else compress.kept_count(d, pol.sparsity)
         degree = pol.config_degree(n)
@@ -939,10 +949,10 @@ class RoundMachine:
             round_id=round_id, model_version=self._version, cohort=cohort, steps=pol.steps,
             batch_size=pol.batch_size, lr=float(pol.lr), sampling=pol.sampling,
             clip=float(pol.clip), noise_multiplier=float(pol.noise_multiplier),
-            sparsity=float(pol.sparsity), round_seed=self._random(32),
+            sparsity=float(pol.sparsity), round_seed=round_seed,
             quant_levels=pol.quant_levels, scale=float(pol.fixed_point_scale()),
             value_bound=float(pol.value_bound), bits=pol.bits, length=k,
-            nonce=self._random(32), degree=degree, threshold=pol.config_threshold(degree),
+            nonce=nonce, degree=degree, threshold=pol.config_threshold(degree),
             min_survivors=pol.survivors_needed(n), max_colluders=pol.max_colluders,
             stage_timeout=float(pol.stage_timeout),
         ), self._idn)

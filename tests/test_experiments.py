@@ -25,8 +25,9 @@ from tools.experiments import (
     run_experiment,
     write_report,
 )
+from tools.experiments.spec import path_versions
 from tools.simconfig import SimConfig
-from tools.simulate import simulate
+from tools.simulate import PATH_VERSION, simulate
 
 TINY = """
 name = "tiny"
@@ -118,6 +119,74 @@ def test_runs_are_stored_and_a_rerun_skips_them(tiny, tmp_path: Path) -> None:
     assert "Not run yet" in text and "`fedge experiment run tiny`" in text  # full missing
     assert (vdir / "accuracy.png").exists() and "![accuracy per round](" in text
     assert "| private | 1.0 |" in text
+
+
+def test_the_key_names_the_path_version(tiny) -> None:
+    import hashlib
+
+    spec = expand_runs(tiny)[0]
+    assert PATH_VERSION == 2 and spec.key == spec.key_at(PATH_VERSION)
+    # version 1: the key as stored before issue 15, settings, noise and seed alone
+    legacy = json.dumps({"settings": spec.settings, "noise": spec.noise, "seed": spec.seed},
+                        sort_keys=True)
+    assert spec.key_at(1) == hashlib.sha256(legacy.encode()).hexdigest()[:16] != spec.key
+    for bad in (0, PATH_VERSION + 1, True, 1.0):
+        with pytest.raises(ValueError, match="path_version"):
+            spec.key_at(bad)
+
+
+def _as_path_v1(exp, vdir: Path) -> None:
+    """Rewrite every stored quick run of ``exp`` in ``vdir`` as the pre-issue-15 runner
+    stored it (no path_version, the version-1 key as its file name)."""
+    for path in sorted((vdir / "runs").glob("*.json")):
+        rec = json.loads(path.read_text())
+        spec = next(s for s in expand_runs(exp, quick=True) if s.key == rec["key"])
+        del rec["path_version"]
+        rec["key"] = spec.key_at(1)
+        path.unlink()
+        (path.parent / f"{rec['key']}.json").write_text(json.dumps(rec))
+
+
+def test_runs_of_an_older_path_are_labelled_and_redone(tiny, tmp_path: Path) -> None:
+    calls = []
+
+    def counting(cfg: SimConfig, *, out) -> dict:
+        calls.append(cfg)
+        return simulate(cfg, out=out)
+
+    root, md = tmp_path / "res", tmp_path / "docs" / "results.md"
+    log = tmp_path / "log.txt"
+    with log.open("w") as out:
+        vdir = run_experiment(tiny, quick=True, root=root, out=out, simulate_fn=counting)
+    assert len(calls) == 3 and path_versions(vdir) == {PATH_VERSION: 3}
+    text = write_report(root=root, report=md, experiments=[tiny], preamble="# t").read_text()
+    assert "| private | 1.0 |" in text and "Path v1" not in text and "path v1" not in text
+
+    _as_path_v1(tiny, vdir)
+    assert path_versions(vdir) == {1: 3}
+    assert {r["path_version"] for r in load_records(vdir)} == {1}
+    # not silently current, not gone: shown, with its numbers, labelled
+    text = write_report(root=root, report=md, experiments=[tiny], preamble="# t").read_text()
+    assert "### tiny / quick" in text and "| private | 1.0 |" in text
+    assert ("**Path v1 numbers (before issue 15 step G0 re-seeded the fast simulator; rerun "
+            "pending):**") in text
+    assert "`fedge experiment run tiny --quick` redoes them" in text
+
+    with log.open("a") as out:  # the runner does not take them for done
+        run_experiment(tiny, quick=True, root=root, out=out, simulate_fn=counting)
+    assert len(calls) == 6
+    assert path_versions(vdir) == {1: 3, PATH_VERSION: 3}
+    assert {r["path_version"] for r in load_records(vdir)} == {PATH_VERSION}
+    text = write_report(root=root, report=md, experiments=[tiny], preamble="# t").read_text()
+    assert "Path v1 numbers" not in text and "| private | 1.0 |" in text
+    assert "3 stored run(s) of older path versions (v1) are superseded and not shown" in text
+
+    # a partial rerun: the current runs only, never a mix of two paths in one table
+    next(p for p in sorted((vdir / "runs").glob("*.json"))
+         if json.loads(p.read_text()).get("path_version") == PATH_VERSION).unlink()
+    assert len(load_records(vdir)) == 2
+    text = write_report(root=root, report=md, experiments=[tiny], preamble="# t").read_text()
+    assert "Path v1 numbers" not in text and "3 stored run(s) of older path" in text
 
 
 def test_workers_share_the_runs_and_a_claimed_run_is_left_alone(tiny, tmp_path: Path) -> None:

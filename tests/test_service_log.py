@@ -26,8 +26,8 @@ from edge_sdk.session import DeviceSession
 from edge_sdk.wire import Publish
 from models import ONNX_DIR
 from tools.enroll import enroll
-from tools.fleet import seeded_bytes
 from tools.inproc import MemoryBroker
+from tools.seeding import seeded_bytes
 
 FLEET = "log"
 MODEL = "logreg-64-10"

@@ -128,16 +128,22 @@ def test_onnx_and_numpy_rounds_agree() -> None:
 
 
 def test_select_cohort_is_uniform_without_replacement() -> None:
-    rng = np.random.default_rng(0)
-    counts = np.zeros(10)
-    for _ in range(2000):
-        c = select_cohort(10, 3, rng)
-        assert len(set(c.tolist())) == 3
-        counts[c] += 1
+    names = [f"dev-{i:04d}" for i in range(10)]
+    counts = dict.fromkeys(names, 0)
+    for round_id in range(1, 2001):
+        c = select_cohort(names, 3, seed=0, round_id=round_id)
+        assert len(set(c)) == 3 and list(c) == sorted(c) and set(c) <= set(names)
+        for n in c:
+            counts[n] += 1
     # Each device is picked with probability 3/10: 600 of 2000, sd ~ 20.5.
-    assert np.all(np.abs(counts - 600) < 5 * 20.5)
+    assert all(abs(v - 600) < 5 * 20.5 for v in counts.values())
+    # a function of (seed, round, the set of names): not of their order
+    assert (select_cohort(names[::-1], 3, seed=4, round_id=9)
+            == select_cohort(names, 3, seed=4, round_id=9))
     with pytest.raises(ValueError, match="cohort size"):
-        select_cohort(5, 6, rng)
+        select_cohort(names[:5], 6, seed=0, round_id=1)
+    with pytest.raises(ValueError, match="distinct"):
+        select_cohort(["a", "a", "b"], 2, seed=0, round_id=1)
 
 
 def test_mean_update_weights_and_fedavg() -> None:

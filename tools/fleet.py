@@ -36,7 +36,6 @@ uses ``os.urandom`` (the default of both endpoints).
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 import sys
@@ -73,6 +72,7 @@ from tools.dropouts import DropoutSchedule
 from tools.evaluate import evaluate
 from tools.inproc import MemoryBroker
 from tools.partition import partition
+from tools.seeding import device_seed, round_random_bytes, seeded_bytes
 from tools.simconfig import SimConfig
 from tools.summary import model_sha256, sum_sha256
 
@@ -90,19 +90,6 @@ DROP_STAGES: Mapping[str, str] = {
 _TICK_S = 0.1  # the inproc clock's step while messages flow
 
 
-def seeded_bytes(label: str) -> Callable[[int], bytes]:
-    """A deterministic ``random_bytes`` (SHA-256 in counter mode over ``label``).
-    Simulation only: a deployment's key material comes from ``os.urandom``."""
-    counter = [0]
-
-    def random_bytes(n: int) -> bytes:
-        out = bytearray()
-        while len(out) < n:
-            out += hashlib.sha256(f"{label}/{counter[0]}".encode()).digest()
-            counter[0] += 1
-        return bytes(out[:n])
-
-    return random_bytes
 
 
 @dataclass(slots=True)
@@ -370,7 +357,7 @@ class Fleet:
         self.store = CheckpointStore(self.workdir / "aggregator.ckpt")
         self.machine = RoundMachine(
             policy=self.policy, identity=self.agg_id, registry=self.registry,
-            params=self.initial, random_bytes=seeded_bytes(f"fedge-fleet/{cfg.seed}/rounds"),
+            params=self.initial, random_bytes=round_random_bytes(cfg.seed),
             checkpoint=self.store.save, start_gate=self._all_checked_in)
         self.gone: set[str] = set()
         self.meter = Meter()
@@ -406,7 +393,7 @@ class Fleet:
     def new_session(self, name: str, *, restart: int = 0) -> DeviceSession:
         """The device's session (``restart`` > 0: a new process, other key material)."""
         i = self.names.index(name)
-        seed = int(np.random.SeedSequence([self.cfg.seed, 2, i]).generate_state(1)[0])
+        seed = device_seed(self.cfg.seed, i)
         x, y = self.shards[name]
         return DeviceSession(
             fleet=FLEET_NAME, identity=self.ids[name], registry=self.registry,

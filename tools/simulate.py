@@ -41,11 +41,11 @@ a config.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -54,7 +54,9 @@ import numpy as np
 
 from aggregator.fedavg import select_cohort
 from aggregator.optimizers import OPTIMIZERS
+from aggregator.rounds import round_secrets
 from edge_sdk import compress
+from edge_sdk.csprng import seeded_round_rng
 from edge_sdk.ddp import (
     DEFAULT_BETA,
     bounded_wrap_probability,
@@ -74,13 +76,22 @@ from edge_sdk.train import (
 )
 from edge_sdk.wire import encode_update, mqtt_publish_size, update_topic
 from models import manifest_path
+from tools.broker import device_names
 from tools.datasets import load_dataset
 from tools.evaluate import evaluate
 from tools.partition import partition
+from tools.seeding import device_seed, round_random_bytes
 from tools.simconfig import SimConfig
 from tools.summary import model_sha256
 
-__all__ = ["DDG_SCALE", "DdgPlan", "ddg_plan", "simulate"]
+__all__ = ["DDG_SCALE", "PATH_VERSION", "DdgPlan", "ddg_plan", "round_draws", "simulate"]
+
+PATH_VERSION = 2
+"""The fast simulator's numbers' version, part of every stored experiment run's key
+(``tools.experiments.spec.RunSpec.key``): bumped whenever a change moves its results, so
+``fedge experiment run`` reruns stored runs instead of keeping the old path's numbers.
+1: before issue 15; 2: issue 15 G0, cohorts, round seeds and device randomness drawn as the
+fleet draws them (:func:`round_draws`)."""
 
 DDG_SCALE = 1024
 """Default C / gamma of mechanism ``ddg``: a clipped sample spans 2^10 integer steps, so
@@ -114,10 +125,20 @@ class _Progress:
         self.out.flush()
 
 
-def _round_seed(seed: int, rnd: int) -> bytes:
-    # A deployment's aggregator draws this from os.urandom and publishes it in the round
-    # plan; the simulator derives it so runs are reproducible.
-    return hashlib.sha256(f"fedge-sim/{seed}/{rnd}".encode()).digest()
+def round_draws(seed: int, devices: int, cohort_size: int, rounds: int
+                ) -> Iterator[tuple[int, tuple[int, ...], bytes]]:
+    """(round id, cohort as sorted device indices, round seed) of rounds 1..``rounds``,
+    drawn as a simulated fleet of ``seed`` draws them (``tools.fleet``): the round
+    machine's cohort over all ``devices`` (every device is eligible: the fast simulator
+    has no budgets) and its round seed and nonce from the fleet's seeded source. A
+    deployment's aggregator draws the seeds from os.urandom."""
+    names = device_names(devices)
+    index = {n: i for i, n in enumerate(names)}
+    random_bytes = round_random_bytes(seed)
+    for rnd in range(1, rounds + 1):
+        cohort = select_cohort(names, min(cohort_size, devices), seed=seed, round_id=rnd)
+        round_seed, _nonce = round_secrets(random_bytes)  # the nonce: secure aggregation's
+        yield rnd, tuple(index[n] for n in cohort), round_seed
 
 
 def _upload(values: np.ndarray, cfg: SimConfig, rng: np.random.Generator, rnd: int,
@@ -234,11 +255,13 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
         threads=cfg.threads,
     )
     seeds = np.random.SeedSequence(cfg.seed).spawn(3)
-    part_rng, init_rng, cohort_rng = (np.random.default_rng(s) for s in seeds)
+    part_rng, init_rng, _ = (np.random.default_rng(s) for s in seeds)
     shards = partition(data.y_train, cfg.devices, cfg.partition, part_rng,
                        num_classes=data.num_classes)
     device_data = [(data.x_train[idx], data.y_train[idx]) for idx in shards]
-    device_rngs = [np.random.default_rng([cfg.seed, 1, i]) for i in range(cfg.devices)]
+    # each device's randomness: round r's generator from its fleet seed, as the fleet's
+    # DeviceSession gets it (csprng.seeded_round_rng)
+    device_rngs = [seeded_round_rng(device_seed(cfg.seed, i)) for i in range(cfg.devices)]
     # Zero-out, the relation the device ledger states everything under: Poisson events keep
     # their add/remove numbers, without-replacement and shuffle events their substitution ones.
     adjacency = "zero_out"
@@ -283,12 +306,11 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
     bytes_up_payload = bytes_up_overhead = bytes_down = 0
     progress = _Progress(cfg.rounds, out, cfg.progress)
     eps = 0.0
-    for rnd in range(1, cfg.rounds + 1):
-        cohort = select_cohort(cfg.devices, r, cohort_rng)
+    for rnd, cohort, round_seed in round_draws(cfg.seed, cfg.devices, r, cfg.rounds):
         before = (bytes_up_payload, bytes_up_overhead, bytes_down)
         coords = None
         if k < d:  # one rand-k set for the whole cohort, from the round seed
-            coords = compress.coordinate_set(_round_seed(cfg.seed, rnd), d, k)
+            coords = compress.coordinate_set(round_seed, d, k)
         model_bytes = encode_update(round_id=rnd, device="server", encoding="f32", count=d,
                                     payload=flatten_params(params).tobytes())
         total = np.zeros(k, dtype=np.float64)
@@ -297,9 +319,10 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
         weights, losses = [], []
         for i in cohort:
             x, y = device_data[i]
+            rng = device_rngs[i](rnd)
             decoded: np.ndarray | None = None
             if ddg is not None:
-                res = local_round_ddg(engine, params, x, y, device_rngs[i], clip=cfg.clip,
+                res = local_round_ddg(engine, params, x, y, rng, clip=cfg.clip,
                                       gamma=ddg.gamma, sigma=ddg.sigma, bits=bits,
                                       coords=coords)
                 accountants[i].compose(ddg.event())
@@ -307,7 +330,7 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
                 plain_sum += res.integers
                 payload, overhead = _upload_ddg(k, bits, rnd, int(i))
             elif cfg.mechanism == "binomial":
-                res = local_round_binomial(engine, params, x, y, local, device_rngs[i],
+                res = local_round_binomial(engine, params, x, y, local, rng,
                                            trials=cfg.binomial_trials,
                                            levels=cfg.quant_levels or 127,
                                            update_clip=cfg.update_clip)
@@ -317,16 +340,16 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
                 decoded, payload, overhead = _upload_integers(res.integers, res.grid, rnd, int(i))
             else:
                 if cfg.mechanism == "update-noise":
-                    res = local_round_update_noise(engine, params, x, y, local, device_rngs[i],
+                    res = local_round_update_noise(engine, params, x, y, local, rng,
                                                    update_clip=cfg.update_clip)
                     paper_eps[i] += _fedpaq_paper_epsilon(cfg, len(y))
                 else:
-                    res = local_round(engine, params, x, y, local, device_rngs[i],
+                    res = local_round(engine, params, x, y, local, rng,
                                       coords=coords)
                 accountants[i].compose(res.event)
                 flat = flatten_params(res.update)
                 values = flat if coords is None else flat[coords]
-                decoded, payload, overhead = _upload(values, cfg, device_rngs[i], rnd, int(i))
+                decoded, payload, overhead = _upload(values, cfg, rng, rnd, int(i))
             participated[i] += 1
             w = res.num_samples if cfg.weighting == "samples" else 1.0
             if decoded is not None:

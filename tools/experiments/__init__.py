@@ -26,7 +26,9 @@ reports our RDP epsilon (mechanism ``ddg``: the distributed-discrete-Gaussian on
 
 Resumable: each finished (config, seed) run is written, atomically, to
 ``<root>/<name>/<variant>/runs/<key>.json`` as it completes (key: hash of the exact
-settings); a rerun skips the runs whose file exists, and concurrent workers (``--jobs``)
+settings and of the fast simulator's ``PATH_VERSION``); a rerun skips the runs whose file
+exists (a run stored by an older path version has another key: it is redone, and the report
+shows it, labelled as such, until then), and concurrent workers (``--jobs``)
 claim runs with a per-run advisory lock. ``variant`` is ``full`` or ``quick``,
 with ``+key=value`` appended for ``--set`` overrides.
 
@@ -64,7 +66,9 @@ from tools.experiments.spec import (
     list_experiments,
     load_experiment,
     load_records,
+    path_versions,
 )
+from tools.simulate import PATH_VERSION
 
 __all__ = [
     "EXPERIMENTS_DIR",
@@ -91,24 +95,24 @@ _CALIBRATIONS = ("pld", "rdp", "ddg", "fed-spa", "hu-guo-gong", "hu-guo-gong-nos
 def fleet_facts(settings: dict[str, Any]) -> tuple[int, int]:
     """(max rounds any device takes part in, smallest local data set) of a simulated fleet.
 
-    Replays the simulator's seeded cohort draws and partition (tools/simulate.py: the
-    SeedSequence(seed).spawn(3) streams), so a noise calibrated for this count meets the
-    target on every device of that exact run; a test checks it against the simulator.
+    Replays the simulator's seeded cohort draws (:func:`tools.simulate.round_draws`, the
+    fleet's too) and partition (the first of the SeedSequence(seed).spawn(3) streams), so a
+    noise calibrated for this count meets the target on every device of that exact run; a
+    test checks it against the simulator.
     """
-    from aggregator.fedavg import select_cohort
     from tools.datasets import load_dataset
     from tools.partition import partition
     from tools.simconfig import SimConfig
+    from tools.simulate import round_draws
 
     cfg = SimConfig(**{**settings, "progress": False})
-    seeds = np.random.SeedSequence(cfg.seed).spawn(3)
-    part_rng, cohort_rng = np.random.default_rng(seeds[0]), np.random.default_rng(seeds[2])
+    part_rng = np.random.default_rng(np.random.SeedSequence(cfg.seed).spawn(3)[0])
     data = load_dataset(cfg.dataset)
     shards = partition(data.y_train, cfg.devices, cfg.partition, part_rng,
                        num_classes=data.num_classes)
     counts = np.zeros(cfg.devices, dtype=np.int64)
-    for _ in range(cfg.rounds):
-        counts[select_cohort(cfg.devices, cfg.cohort_size, cohort_rng)] += 1
+    for _, cohort, _ in round_draws(cfg.seed, cfg.devices, cfg.cohort_size, cfg.rounds):
+        counts[list(cohort)] += 1
     return int(counts.max()), int(min(len(s) for s in shards))
 
 
@@ -398,6 +402,7 @@ def _run_specs(exp: Experiment, specs: list[RunSpec], vdir: Path, variant: str,
             summary = simulate_fn(cfg, out=out)
             _write_atomic(path, {"experiment": exp.name, "variant": variant,
                                  "label": spec.label, "seed": spec.seed, "key": spec.key,
+                                 "path_version": PATH_VERSION,
                                  "meta": _jsonable(spec.meta), "noise": _jsonable(noise),
                                  "settings": _jsonable(spec.settings), "summary": summary})
             ran += 1
@@ -407,19 +412,42 @@ def _run_specs(exp: Experiment, specs: list[RunSpec], vdir: Path, variant: str,
 # ------------------------------------------------------------------------- report
 
 
-def _spec_records(exp: Experiment, vdir: Path, meta: dict[str, Any]) -> list[dict[str, Any]]:
-    """One record per declared run that has a stored result, labelled by its spec.
+def _spec_records(exp: Experiment, vdir: Path, meta: dict[str, Any]
+                  ) -> tuple[list[dict[str, Any]], int]:
+    """(one record per declared run that has a stored result, labelled by its spec; the
+    path version they all come from).
 
+    The version is the newest one the variant stores (:func:`load_records`): the current
+    :data:`PATH_VERSION` once any run was redone, an older one while none was, never a mix.
     Runs with identical settings (the default point of several sweeps) share one stored
     result; each spec gets it under its own label and meta.
     """
-    stored = {r["key"]: r for r in load_records(vdir)}
+    records = load_records(vdir)
+    version = records[0]["path_version"] if records else PATH_VERSION
+    stored = {r["key"]: r for r in records}
     out = []
     for spec in expand_runs(exp, quick=meta.get("quick", vdir.name.startswith("quick")),
                             overrides=meta.get("overrides", {})):
-        if spec.key in stored:
-            out.append({**stored[spec.key], "label": spec.label, "meta": spec.meta})
-    return out
+        key = spec.key_at(version)
+        if key in stored:
+            out.append({**stored[key], "label": spec.label, "meta": spec.meta})
+    return out, version
+
+
+def _path_note(vdir: Path, version: int, command: str) -> str:
+    """What the report says about a variant's runs of older path versions ("" if none)."""
+    older = {v: n for v, n in path_versions(vdir).items() if v < PATH_VERSION}
+    if version < PATH_VERSION:
+        return (f"**Path v{version} numbers (before issue 15 step G0 re-seeded the fast "
+                f"simulator; rerun pending):** every run below was made by the fast "
+                f"simulator's path version {version}, not the current {PATH_VERSION}; "
+                f"`{command}` redoes them.")
+    if older:
+        n = sum(older.values())
+        versions = ", ".join(f"v{v}" for v in older)
+        return (f"{n} stored run(s) of older path versions ({versions}) are superseded and "
+                f"not shown (rerun pending where no current run replaces them).")
+    return ""
 
 
 def _variants(root: Path, exp: Experiment) -> list[Path]:
@@ -460,10 +488,11 @@ def write_report(*, root: Path = RESULTS_DIR, report: Path = REPORT_PATH,
             meta = (json.loads(meta_path.read_text()) if meta_path.exists() else
                     {"command": _command(exp, vdir.name == "quick", {}),  # still running
                      "quick": vdir.name == "quick", "overrides": {}})
+            version = PATH_VERSION
             if exp.kind == "compute":
                 records = json.loads((vdir / "results.json").read_text())
             else:
-                records = _spec_records(exp, vdir, meta)
+                records, version = _spec_records(exp, vdir, meta)
             if exp.kind == "simulate":
                 wall = sum(r["summary"]["wall_seconds"] for r in records)
                 wall_s = (f"{wall:.0f} s summed over {len(records)} run(s)"
@@ -473,10 +502,14 @@ def write_report(*, root: Path = RESULTS_DIR, report: Path = REPORT_PATH,
             body += [f"### {exp.name} / {vdir.name}", "",
                      f"Command: `{meta['command']}`  ", f"Wall time: {wall_s}, on "
                      f"{meta.get('cpu', 'this machine')}.", ""]
+            note = "" if exp.kind == "compute" else _path_note(vdir, version, meta["command"])
+            if note:
+                body += [note, ""]
             section = getattr(analyses, exp.analysis)(exp, records, vdir, report.parent)
             body += [section, ""]
+            stale = f"(path v{version}, rerun pending) " if version < PATH_VERSION else ""
             if vdir.name == "full":  # claims are judged on full variants only
-                claims += [f"- [{exp.name}](#{exp.name}): {line.strip().lstrip('- ')}"
+                claims += [f"- [{exp.name}](#{exp.name}): {stale}{line.strip().lstrip('- ')}"
                            for line in section.splitlines()
                            if "**held**" in line or "**did not hold**" in line]
     lines += ["## Contents", "", *toc, ""]

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from tools.experiments.spec import expand_runs, load_records
+from tools.simulate import PATH_VERSION
 
 PREAMBLE = """# The papers, reproduced
 
@@ -247,8 +248,11 @@ def cross_summary(root: Path) -> list[str]:
     gap = fedavg - acc
     ranked = "; ".join(f"{a:.2f} % {lbl} ({n})" for a, n, lbl in private[:4])
     anchor = name.split(" / ")[0]
-    text = (f"Issue 7's Fed-SPA target, judged over all three Fed-SPA tables (full, and full "
-            f"variants with overrides where run): non-private FedAvg {fedavg:.2f} % "
+    old = sorted({r["path_version"] for t in tables.values() for r in t} - {PATH_VERSION})
+    stale = (f"(runs of path {', '.join(f'v{v}' for v in old)} among them, rerun pending) "
+             if old else "")
+    text = (f"{stale}Issue 7's Fed-SPA target, judged over all three Fed-SPA tables (full, "
+            f"and full variants with overrides where run): non-private FedAvg {fedavg:.2f} % "
             f"({_verdict(fedavg >= 85.0)} >= 85 %, the paper's settings); best private row "
             f"at a sound eps <= 1 (delta = 1e-3) {acc:.2f} % ({label}, [{name}](#{anchor})), "
             f"gap {gap:.2f} points: within 5 points {_verdict(gap <= 5.0)}. The top private "

@@ -6,6 +6,12 @@ An :class:`Experiment` is a TOML file of this directory (the format is described
 ``<root>/<name>/<variant>/runs/<key>.json``; :func:`load_records` reads them back. Pure
 data and file reading: the runner (``tools.experiments``) and the analyses
 (``tools.experiments.analyses``) both import this module, and it imports neither.
+
+A key includes the fast simulator's :data:`tools.simulate.PATH_VERSION`, so a run stored by
+an older path is not found under the current key and ``fedge experiment run`` redoes it;
+its file stays readable (:func:`path_versions`, :func:`load_records` with ``path_version``)
+so a report can show it, labelled, until the rerun replaces it. Version 1 keys (stored before
+issue 15) hash the settings, noise and seed alone.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tools.simulate import PATH_VERSION
+
 __all__ = [
     "EXPERIMENTS_DIR",
     "REPORT_PATH",
@@ -29,6 +37,7 @@ __all__ = [
     "list_experiments",
     "load_experiment",
     "load_records",
+    "path_versions",
 ]
 
 EXPERIMENTS_DIR = Path(__file__).parent
@@ -75,8 +84,21 @@ class RunSpec:
 
     @property
     def key(self) -> str:
-        blob = json.dumps({"settings": self.settings, "noise": self.noise, "seed": self.seed},
-                          sort_keys=True)
+        """The file stem of this run made by the current path (:data:`PATH_VERSION`)."""
+        return self.key_at(PATH_VERSION)
+
+    def key_at(self, path_version: int) -> str:
+        """The file stem this run had when made by fast-simulator path ``path_version``
+        (1: before issue 15, when the key did not name a version)."""
+        if isinstance(path_version, bool) or not isinstance(path_version, int) or not (
+                1 <= path_version <= PATH_VERSION):
+            raise ValueError(f"path_version must be an integer in [1, {PATH_VERSION}], "
+                             f"got {path_version!r}")
+        fields: dict[str, Any] = {"settings": self.settings, "noise": self.noise,
+                                  "seed": self.seed}
+        if path_version > 1:
+            fields["path_version"] = path_version
+        blob = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -156,6 +178,31 @@ def expand_runs(exp: Experiment, *, quick: bool = False,
     return specs
 
 
-def load_records(vdir: Path) -> list[dict[str, Any]]:
-    """The stored runs of one variant directory, in file-name order."""
-    return [json.loads(p.read_text()) for p in sorted((vdir / "runs").glob("*.json"))]
+def _all_records(vdir: Path) -> list[dict[str, Any]]:
+    out = []
+    for p in sorted((vdir / "runs").glob("*.json")):
+        r = json.loads(p.read_text())
+        r.setdefault("path_version", 1)  # stored before issue 15 named it
+        out.append(r)
+    return out
+
+
+def path_versions(vdir: Path) -> dict[int, int]:
+    """Path version -> how many runs of it one variant directory stores."""
+    counts: dict[int, int] = {}
+    for r in _all_records(vdir):
+        counts[r["path_version"]] = counts.get(r["path_version"], 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def load_records(vdir: Path, *, path_version: int | None = None) -> list[dict[str, Any]]:
+    """The stored runs of one variant directory made by one path version, in file-name
+    order, each with its ``path_version``.
+
+    ``path_version`` None: the newest version the directory holds (the current one once
+    any run was redone), so runs of two paths are never read as one set.
+    """
+    records = _all_records(vdir)
+    if path_version is None:
+        path_version = max((r["path_version"] for r in records), default=PATH_VERSION)
+    return [r for r in records if r["path_version"] == path_version]
