@@ -462,7 +462,15 @@ def _aggregator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from models import ONNX_DIR
+    from tools.doctor import run_doctor
+
+    return run_doctor(args, zoo_dir=ONNX_DIR)  # the zoo `fedge device` looks models up in
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from tools.doctor import add_doctor_parser
     from tools.ledger_cli import add_ledger_parser
     from tools.privacy_cli import add_privacy_parser
 
@@ -478,10 +486,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_enroll(sub)
     _add_device(sub)
     _add_aggregator(sub)
+    add_doctor_parser(sub)
     args = parser.parse_args(argv)
     commands = {"simulate": _simulate, "export": _export, "bench": _bench, "privacy": _privacy,
                 "ledger": _ledger, "broker": _broker, "experiment": _experiment,
-                "enroll": _enroll, "device": _device, "aggregator": _aggregator}
+                "enroll": _enroll, "device": _device, "aggregator": _aggregator,
+                "doctor": _doctor}
     try:
         return commands[args.command](args)
     except (ValueError, FileNotFoundError) as exc:
