@@ -222,3 +222,44 @@ def test_full_disk_is_named(fleet: dict[str, Any], tiny_tmpfs: Path) -> None:
     assert "only 0.0 MiB free" in by["disk"].message, by["disk"]
     # sqlite cannot open its WAL either: the ledger check fails, and points at the disk
     assert not by["ledger"].ok and by["ledger"].fix.startswith("first free space"), by["ledger"]
+
+
+def test_acl_denial_is_named(fleet: dict[str, Any]) -> None:
+    """Another device's credentials: the password is accepted, but the ACL refuses the
+    publish to this device's status topic."""
+    d = _case(fleet, "other-user")
+    other = fleet["enrolled"].device_configs["dev-0002"].parent
+    shutil.copy(other / "password", d / "password")
+    toml = d / "device.toml"
+    toml.write_text(toml.read_text().replace("[broker]\n", '[broker]\nusername = "dev-0002"\n'))
+    by = _only_failed(_doctor(toml), "broker")
+    assert "refused its publish to its own status topic" in by["broker"].message, by["broker"]
+    assert "ACL" in by["broker"].fix
+
+
+def test_doctor_consumes_nothing_queued_for_the_device(fleet: dict[str, Any]) -> None:
+    """A message queued for the (stopped) device while the doctor connects as it reaches the
+    device when it reconnects: the doctor resumes the session and never acknowledges."""
+    broker, device = fleet["broker"], "dev-0002"
+    down = wire.device_down_topic(FLEET, device, "plan")
+    dev_loop = new_loop(broker, seed=1)
+    dev = Recorder([down])
+    dev_loop.add(client(broker, device), dev)
+    assert run_all([dev_loop], lambda: dev_loop.is_ready(device), TIMEOUT)
+    dev_loop.close(timeout=5.0)  # the broker keeps its session and subscription
+    agg_loop = new_loop(broker, seed=2)
+    agg = Recorder()
+    agg_loop.add(client(broker, "aggregator"), agg)
+    agg.outbox.append(wire.Publish(down, b"queued for the device"))
+    assert run_all([agg_loop], lambda: agg_loop.stats.acked >= 1, TIMEOUT)
+    agg_loop.close(timeout=5.0)
+    by = _by_check(_doctor(fleet["enrolled"].device_configs[device]))
+    assert by["broker"].ok, by["broker"]
+    back_loop = new_loop(broker, seed=3)
+    back = Recorder([down])
+    back_loop.add(client(broker, device), back)
+    try:
+        assert run_all([back_loop], lambda: b"queued for the device" in back.payloads(down),
+                       TIMEOUT), back.got
+    finally:
+        back_loop.close(timeout=5.0)
