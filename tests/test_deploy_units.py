@@ -79,3 +79,19 @@ def test_units_keep_state_private_and_hardened() -> None:
                      + ("time-sync.target" if unit == "fedge-device.service"
                         else "mosquitto.service")):
             assert want in lines, (unit, want)
+
+
+def test_enroll_host_names_the_gateway(tmp_path: Path) -> None:
+    """`fedge enroll --host` (a gateway serving a network): the broker listens there, its
+    certificate names it, and the device configs connect to it."""
+    from cryptography import x509
+
+    from tools.cli import main
+
+    assert main(["enroll", "--devices", "3", "--fleet", "lab", "--out", str(tmp_path / "f"),
+                 "--host", "gateway.lan"]) == 0
+    assert "listener 8883 gateway.lan" in (tmp_path / "f/broker/mosquitto.conf").read_text()
+    assert 'host = "gateway.lan"' in (tmp_path / "f/devices/dev-0000/device.toml").read_text()
+    cert = x509.load_pem_x509_certificate((tmp_path / "f/broker/server.crt").read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "gateway.lan" in names.get_values_for_type(x509.DNSName)

@@ -263,3 +263,17 @@ def test_doctor_consumes_nothing_queued_for_the_device(fleet: dict[str, Any]) ->
                        TIMEOUT), back.got
     finally:
         back_loop.close(timeout=5.0)
+
+
+def test_doctor_needs_only_the_device_dependencies(fleet: dict[str, Any]) -> None:
+    """`fedge doctor` runs on a device installed without extras: no sklearn, torch, scipy,
+    matplotlib, prometheus_client, nor the aggregator package is imported."""
+    config = fleet["enrolled"].device_configs["dev-0000"]
+    code = ("import sys\nfrom tools.cli import main\n"
+            f"rc = main(['doctor', '--config', {str(config)!r}, '--timeout', '{TIMEOUT}'])\n"
+            "tops = {m.split('.')[0] for m in sys.modules}\n"
+            "print(rc, sorted(tops & {'torch', 'sklearn', 'scipy', 'matplotlib', "
+            "'prometheus_client', 'aggregator', 'opacus', 'onnx'}))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    assert r.stdout.strip().splitlines()[-1] == "0 []", r.stdout + r.stderr
