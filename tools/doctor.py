@@ -48,7 +48,7 @@ import stat
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -92,7 +92,6 @@ class _Probe:
     model: bytes | None = None          # the retained model message
     model_topic: str = ""
     seconds: float = 0.0
-    extra: list[str] = field(default_factory=list)
 
 
 def _utc(ts: float) -> str:
