@@ -354,6 +354,10 @@ def _add_enroll(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fleet", required=True, help="fleet name (topics fedge/<fleet>/...)")
     p.add_argument("--out", required=True, help="fleet directory to create")
     p.add_argument("--port", type=int, help="broker port (default 8883 with TLS, 1883 without)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the broker's address: its listener, its certificate's name and what "
+                        "the TOML configs connect to (default 127.0.0.1; a gateway serving "
+                        "devices on a network: its host name or address)")
     p.add_argument("--no-tls", action="store_true", help="plain TCP (local experiments only)")
     p.add_argument("--no-broker", action="store_true",
                    help="identities and registry only (no broker config, no TOML configs)")
@@ -369,7 +373,8 @@ def _enroll(args: argparse.Namespace) -> int:
 
     policy = {} if args.cohort_size is None else {"cohort_size": args.cohort_size}
     done = enroll(args.out, devices=args.devices, fleet=args.fleet, broker=not args.no_broker,
-                  port=args.port, tls=not args.no_tls, ledgers=not args.no_ledgers,
+                  port=args.port, tls=not args.no_tls, host=args.host,
+                  ledgers=not args.no_ledgers,
                   budget_epsilon=args.budget_eps, budget_delta=args.budget_delta,
                   model=args.model, policy=policy)
     print(f"enrolled {args.devices} devices of fleet {done.fleet!r} in {done.directory}")
@@ -481,7 +486,15 @@ def _aggregator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from models import ONNX_DIR
+    from tools.doctor import run_doctor
+
+    return run_doctor(args, zoo_dir=ONNX_DIR)  # the zoo `fedge device` looks models up in
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from tools.doctor import add_doctor_parser
     from tools.ledger_cli import add_ledger_parser
     from tools.privacy_cli import add_privacy_parser
 
@@ -497,10 +510,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_enroll(sub)
     _add_device(sub)
     _add_aggregator(sub)
+    add_doctor_parser(sub)
     args = parser.parse_args(argv)
     commands = {"simulate": _simulate, "export": _export, "bench": _bench, "privacy": _privacy,
                 "ledger": _ledger, "broker": _broker, "experiment": _experiment,
-                "enroll": _enroll, "device": _device, "aggregator": _aggregator}
+                "enroll": _enroll, "device": _device, "aggregator": _aggregator,
+                "doctor": _doctor}
     try:
         return commands[args.command](args)
     except (ValueError, FileNotFoundError) as exc:

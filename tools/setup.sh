@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-debs=(dataset-fashion-mnist mosquitto mosquitto-clients)
+# systemd: systemd-analyze, which tests/test_deploy_units.py runs on deploy/systemd
+debs=(dataset-fashion-mnist mosquitto mosquitto-clients systemd)
 missing=()
 for pkg in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
