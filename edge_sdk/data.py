@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_sdk.errors import EdgeError
+
 __all__ = ["DataFileError", "DataSource", "NpyPair", "check_samples", "read_samples"]
 
 _NPY_MAGIC = b"\x93NUMPY"
@@ -40,7 +42,7 @@ _ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")  # a zip with members, an empty zip
 X_DTYPE, Y_DTYPE = np.dtype(np.float32), np.dtype(np.int64)
 
 
-class DataFileError(ValueError):
+class DataFileError(EdgeError, ValueError):
     """A data file that cannot be trained on (the message names the file, the array, what
     it holds and what was expected)."""
 

@@ -175,6 +175,9 @@ def test_the_first_bad_source_is_named(tmp_path: Path) -> None:
 
 
 def test_check_samples_takes_arrays_from_anywhere() -> None:
+    from edge_sdk.errors import EdgeError
+
+    assert issubclass(DataFileError, EdgeError) and issubclass(DataFileError, ValueError)
     x, y = good()
     check_samples(x, y, input_shape=SHAPE, num_classes=CLASSES)
     with pytest.raises(DataFileError, match=r"^sensor: array y has 5 labels outside \[0, 2\)"):
