@@ -4,6 +4,7 @@ with a message naming the file, the array, what it holds and what was expected; 
 
 from __future__ import annotations
 
+import json
 import pickle
 import re
 import subprocess
@@ -204,9 +205,21 @@ def test_device_cli_refuses_bad_data_with_a_message_not_a_traceback(tmp_path: Pa
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == (f"fedge device: error: {bad}: array x has shape [3, 63], "
                                 f"expected float32 [m, 64] (the model's input shape is [64])")
+    # good files: a .npz and a .npy pair, read whole (--rounds 0: start, then stop)
+    xg, yg = np.zeros((4, 64), np.float32), np.arange(4, dtype=np.int64)
+    ok = npz(tmp_path, "ok.npz", x=xg, y=yg)
+    np.save(tmp_path / "x.npy", xg[:3])
+    np.save(tmp_path / "y.npy", yg[:3])
+    r = cli("--config", config, "--data", str(ok), "--data-npy", str(tmp_path / "x.npy"),
+            str(tmp_path / "y.npy"), "--rounds", "0")
+    assert r.returncode == 0, r.stderr
+    start = json.loads(r.stdout.splitlines()[0])
+    assert start["event"] == "start" and start["samples"] == 7, start
     r = cli("--config", config)
     assert r.returncode == 2 and "either as files (--data FILE.npz" in r.stderr, r.stderr
     r = cli("--config", config, "--data", str(bad), "--dataset", "digits")
     assert r.returncode == 2 and "exactly one of the two" in r.stderr, r.stderr
+    r = cli("--config", config, "--data", str(bad), "--shard", "0")
+    assert r.returncode == 2 and "trained on whole" in r.stderr, r.stderr
     r = cli("--config", config, "--dataset", "digits")
     assert r.returncode == 2 and "--dataset needs --shard and --shards" in r.stderr, r.stderr

@@ -406,6 +406,9 @@ def _device_data(args: argparse.Namespace,
                          "--data-npy X.npy Y.npy) or as --dataset with --shard/--shards, "
                          "exactly one of the two")
     if own:
+        if args.shard is not None or args.shards is not None:
+            raise ValueError("--shard and --shards choose a share of --dataset; the owner's "
+                             "files (--data, --data-npy) are trained on whole")
         from edge_sdk.config import resolve_manifest
         from edge_sdk.data import NpyPair, read_samples
         from edge_sdk.engine import load_manifest
