@@ -399,6 +399,7 @@ def test_enroll_cli(tmp_path: Path) -> None:
                         "--no-ledgers"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "fedge aggregator --config" in r.stdout
+    assert "--data FILE.npz (its owner's data" in r.stdout
     assert (tmp_path / "f" / "broker" / "mosquitto.conf").exists()
     assert not (tmp_path / "f" / "devices" / "dev-0000" / "ledger.db").exists()
 

@@ -365,8 +365,9 @@ def _enroll(args: argparse.Namespace) -> int:
         print(f"broker: mosquitto -c {done.broker_dir / 'mosquitto.conf'}")
         print(f"aggregator: fedge aggregator --config {done.aggregator_config}")
         first = next(iter(done.device_configs.values()))
-        print(f"a device: fedge device --config {first} --dataset digits --shard 0 "
-              f"--shards {args.devices}")
+        print(f"a device: fedge device --config {first} --data FILE.npz (its owner's data, "
+              f"see edge_sdk.data), or in an experiment --dataset digits --shard 0 "
+              f"--shards {args.devices} (needs the [sim] extra)")
     return 0
 
 
