@@ -29,9 +29,9 @@ from test_services import POLICY, Proc, ServiceFleet, pump_until
 from edge_sdk.engine import load_engine
 from models import ONNX_DIR
 
-# ~25 s here (venv build ~15 s of it, under load, cold pip cache included): in the default
-# suite, so CI (.ci/run -> make test) runs it
-pytestmark = pytest.mark.broker
+# 21-51 s measured here (the virtualenv build 15-32 s of it, more on a busy machine): slow,
+# run by its own line in .ci/run
+pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
 # what `pip install fedge` builds from (pyproject.toml's packages, its readme)
