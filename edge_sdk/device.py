@@ -335,17 +335,19 @@ class Device:
 
     Embedding it (the device's own software provides the data)::
 
-        import numpy as np
+        from edge_sdk.config import resolve_manifest
+        from edge_sdk.data import read_samples
         from edge_sdk.device import Device, DeviceConfig
-
-        def samples() -> tuple[np.ndarray, np.ndarray]:
-            x = np.load("/var/lib/sensor/features.npy")      # float32 [m, *input_shape]
-            y = np.load("/var/lib/sensor/labels.npy")        # int64 [m]
-            return x, y
+        from edge_sdk.engine import load_manifest
 
         config = DeviceConfig.from_toml("/etc/fedge/device.toml",
                                         zoo_dir="/opt/fedge/models")  # for model = "..."
-        with Device(config, data=samples) as device:
+        spec = load_manifest(resolve_manifest(config.model, config.manifest,
+                                              zoo_dir=config.zoo_dir)).spec
+        # x float32 [m, *input_shape], y int64 [m] in [0, num_classes): edge_sdk.data
+        x, y = read_samples(["/var/lib/sensor/samples.npz"], input_shape=spec.input_shape,
+                            num_classes=spec.num_classes)
+        with Device(config, data=(x, y)) as device:
             device.run_rounds(5)          # or device.run() until close() / a signal
 
     Args:

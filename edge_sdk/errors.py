@@ -21,6 +21,8 @@ more than one module raises)::
      |    +-- BudgetExhausted         the release would exceed the owner's budget
      +-- ConfigError                  an unusable configuration, key or registry file;
      |                                also a ValueError                      (config)
+     +-- DataFileError                an owner's data file that cannot be trained on;
+     |                                also a ValueError                      (data)
      +-- TransportError               the message transport failed           (errors)
      |    +-- PacketTooLarge          a publish over the broker's Maximum Packet
      |                                Size                                   (mqtt)

@@ -41,7 +41,7 @@ RANKS: tuple[frozenset[str], ...] = tuple(frozenset(r) for r in (
     {"_validate", "errors", "hazmat"},
     {"privacy"},
     {"ledger"},
-    {"compress", "ddp", "csprng", "fixedpoint", "model", "engine", "train"},
+    {"compress", "ddp", "csprng", "fixedpoint", "model", "engine", "train", "data"},
     {"wire"},
     {"secagg"},
     {"mechanisms"},

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +70,9 @@ POLICY = {"cohort_size": 6, "min_cohort": 3, "min_survivors": 3, "checkin_window
 class Proc:
     """A `fedge` subprocess whose stdout JSON lines are collected by a reader thread."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
+    def __init__(self, args: list[str], log: Path, *,
+                 command: Sequence[str] = (sys.executable, "-m", "tools.cli"),
+                 cwd: Path = REPO, env: dict[str, str] | None = None) -> None:
         self.args = args
         self.lines: list[dict[str, Any]] = []
         # wait_line searches from just after its last match, not from the end of `lines`:
@@ -78,7 +80,7 @@ class Proc:
         self.cursor = 0
         self._q: queue.Queue[dict[str, Any]] = queue.Queue()
         self._err = open(log, "ab")  # noqa: SIM115 (closed in wait/kill)
-        self.p = subprocess.Popen([sys.executable, "-m", "tools.cli", *args], cwd=REPO,
+        self.p = subprocess.Popen([*command, *args], cwd=cwd, env=env,
                                   stdout=subprocess.PIPE, stderr=self._err,
                                   start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -397,6 +399,7 @@ def test_enroll_cli(tmp_path: Path) -> None:
                         "--no-ledgers"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "fedge aggregator --config" in r.stdout
+    assert "--data FILE.npz (its owner's data" in r.stdout
     assert (tmp_path / "f" / "broker" / "mosquitto.conf").exists()
     assert not (tmp_path / "f" / "devices" / "dev-0000" / "ledger.db").exists()
 

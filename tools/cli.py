@@ -11,6 +11,12 @@ import json
 import math
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from edge_sdk.device import DeviceConfig
 
 __all__ = ["main"]
 
@@ -383,22 +389,75 @@ def _enroll(args: argparse.Namespace) -> int:
         print(f"broker: mosquitto -c {done.broker_dir / 'mosquitto.conf'}")
         print(f"aggregator: fedge aggregator --config {done.aggregator_config}")
         first = next(iter(done.device_configs.values()))
-        print(f"a device: fedge device --config {first} --dataset digits --shard 0 "
-              f"--shards {args.devices}")
+        print(f"a device: fedge device --config {first} --data FILE.npz (its owner's data, "
+              f"see edge_sdk.data), or in an experiment --dataset digits --shard 0 "
+              f"--shards {args.devices} (needs the [sim] extra)")
     return 0
 
 
 def _add_device(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("device", help="run one simulated device (its data: a dataset shard)")
+    p = sub.add_parser(
+        "device", help="run one device: it trains on its owner's files (--data, --data-npy) "
+                       "or, in experiments, on a shard of a bundled data set (--dataset)",
+        description="Run one device agent. Its training data: the owner's files (--data "
+                    "FILE.npz: arrays x float32 [m, *input_shape] and y int64 [m] in [0, "
+                    "classes); --data-npy X.npy Y.npy: the same as two files; both "
+                    "repeatable, concatenated; see edge_sdk.data), or a shard of a bundled "
+                    "data set (--dataset, needs the [sim] extra for digits and "
+                    "breast-cancer).")
     p.add_argument("--config", required=True, help="device TOML (see edge_sdk.device)")
-    p.add_argument("--dataset", required=True, help="digits | breast-cancer | fashion-mnist")
-    p.add_argument("--shard", type=int, required=True, help="this device's shard index")
-    p.add_argument("--shards", type=int, required=True, help="number of shards")
-    p.add_argument("--partition", default="iid", help="iid | het:K | dirichlet:ALPHA")
+    p.add_argument("--data", action="extend", nargs="+", default=[], metavar="FILE.npz",
+                   help="the owner's data: .npz files with arrays x and y")
+    p.add_argument("--data-npy", action="append", nargs=2, default=[],
+                   metavar=("X.npy", "Y.npy"), help="the owner's data as a .npy pair")
+    p.add_argument("--dataset", help="a bundled data set instead: digits | breast-cancer "
+                                     "(both need `pip install 'fedge[sim]'`) | fashion-mnist")
+    p.add_argument("--shard", type=int, help="with --dataset: this device's shard index")
+    p.add_argument("--shards", type=int, help="with --dataset: number of shards")
+    p.add_argument("--partition", default="iid", help="with --dataset: iid | het:K | "
+                                                      "dirichlet:ALPHA")
     p.add_argument("--partition-seed", type=int, default=0)
     p.add_argument("--rounds", type=int, help="exit after contributing to this many rounds")
     p.add_argument("--audit", help="directory for the encoded (pre-mask) input of each "
                                    "upload, <device>-round-<r>.npy (tests, audits)")
+
+
+def _device_data(args: argparse.Namespace,
+                 config: DeviceConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The device's (x, y): the owner's files, or a shard of a bundled data set."""
+    own = bool(args.data or args.data_npy)
+    if own == (args.dataset is not None):
+        raise ValueError("give the device's data either as files (--data FILE.npz, "
+                         "--data-npy X.npy Y.npy) or as --dataset with --shard/--shards, "
+                         "exactly one of the two")
+    if own:
+        if args.shard is not None or args.shards is not None:
+            raise ValueError("--shard and --shards choose a share of --dataset; the owner's "
+                             "files (--data, --data-npy) are trained on whole")
+        from edge_sdk.config import resolve_manifest
+        from edge_sdk.data import NpyPair, read_samples
+        from edge_sdk.engine import load_manifest
+
+        spec = load_manifest(resolve_manifest(config.model, config.manifest,
+                                              zoo_dir=config.zoo_dir)).spec
+        pairs = [NpyPair(x=a, y=b) for a, b in args.data_npy]
+        return read_samples([*args.data, *pairs], input_shape=spec.input_shape,
+                            num_classes=spec.num_classes)
+    import numpy as np
+
+    from tools.datasets import DatasetMissing, load_train_subset
+    from tools.partition import partition
+
+    if args.shard is None or args.shards is None:
+        raise ValueError("--dataset needs --shard and --shards")
+    if not 0 <= args.shard < args.shards:
+        raise ValueError(f"--shard must be in [0, --shards={args.shards}), got {args.shard}")
+    try:
+        return load_train_subset(args.dataset, lambda labels: partition(
+            labels, args.shards, args.partition, np.random.default_rng(args.partition_seed)
+        )[args.shard])
+    except DatasetMissing as exc:  # not installed here: say what to install, no traceback
+        raise ValueError(str(exc)) from None
 
 
 def _device(args: argparse.Namespace) -> int:
@@ -410,15 +469,9 @@ def _device(args: argparse.Namespace) -> int:
 
     from edge_sdk.device import Device, DeviceConfig
     from models import ONNX_DIR
-    from tools.datasets import load_train_subset
-    from tools.partition import partition
 
     config = DeviceConfig.from_toml(args.config, zoo_dir=ONNX_DIR)
-    if not 0 <= args.shard < args.shards:
-        raise ValueError(f"--shard must be in [0, --shards={args.shards}), got {args.shard}")
-    x, y = load_train_subset(args.dataset, lambda labels: partition(
-        labels, args.shards, args.partition, np.random.default_rng(args.partition_seed)
-    )[args.shard])
+    x, y = _device_data(args, config)
     audit = Path(args.audit) if args.audit else None
     if audit is not None:
         audit.mkdir(parents=True, exist_ok=True)

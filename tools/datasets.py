@@ -102,8 +102,15 @@ def _fashion_mnist(root: Path) -> Dataset:
 
 
 def _sklearn(name: str) -> Dataset:
-    from sklearn.datasets import load_breast_cancer, load_digits
-    from sklearn.model_selection import train_test_split
+    try:
+        from sklearn.datasets import load_breast_cancer, load_digits
+        from sklearn.model_selection import train_test_split
+    except ModuleNotFoundError as exc:  # the device stack alone: no [sim] extra
+        raise DatasetMissing(
+            f"the data set {name!r} ships inside scikit-learn, which is not installed here "
+            f"(no module {exc.name!r}): install the simulation extra, `pip install "
+            f"'fedge[sim]'`, or train a device on its owner's files (`fedge device --data "
+            f"FILE.npz`, see edge_sdk.data)") from None
 
     if name == "digits":
         x, y = load_digits(return_X_y=True)
