@@ -134,7 +134,8 @@ def test_ddg_epsilon_grows_and_is_the_busiest_devices_accountant() -> None:
     assert all(e is not None and math.isfinite(e) and e > 0 for e in eps)
     assert eps == sorted(eps) and eps[-1] > eps[0]
     plan = ddg_plan(cfg, out["num_params"])
-    busiest = RdpAccountant().compose(plan.event(), count=out["max_rounds_per_device"])
+    busiest = RdpAccountant(adjacency="zero_out").compose(
+        plan.event(adjacency="zero_out"), count=out["max_rounds_per_device"])
     assert out["epsilon"] == pytest.approx(busiest.get_epsilon(1e-3), rel=1e-12)
     facts = out["ddg"]
     assert facts["wrapped_coordinates"] == 0 and facts["bits"] >= 2

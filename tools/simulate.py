@@ -26,8 +26,9 @@ Mechanisms (``mechanism``):
   data size, and hands -lr / p times that mean gradient to the server optimizer: one
   release, one step per round. Why not tau local steps: other devices' noise provably
   covers only the released sum, so intermediate local states would each need their own
-  noise. Each device's :class:`~edge_sdk.privacy.rdp.RdpAccountant` (add/remove)
-  composes one distributed-discrete-Gaussian event per round it took part in.
+  noise. Each device's :class:`~edge_sdk.privacy.rdp.RdpAccountant` (zero-out of one
+  sample) composes one distributed-discrete-Gaussian event per round it took part in, with
+  n = r noise shares: that assumes no dropouts (none here) and no colluders.
 Uploads: the kept values (k = p*d of them), optionally quantized with s levels (QSGD,
 after the noise), counted in bytes: payload, msgpack framing and the MQTT PUBLISH header.
 
@@ -174,7 +175,10 @@ class DdgPlan:
             vector, so one sample's change to a device's integer sum (add/remove).
         l1_sensitivity: min(sqrt(k) D2, D2^2) (integer coordinates), rounded up.
         dim: k, the coordinates noised and uploaded.
-        devices: r, the cohort: noise shares in every released sum (no dropouts here).
+        devices: n = r, the cohort: the noise shares in every released sum. n = r assumes
+            no dropouts (none here) and no colluders (nobody who can subtract a share); with
+            either, n = min_survivors - max_colluders (privacy review, Q2: 1 colluder at
+            r = 10 moves the true epsilon from 1.0 to 1.066).
     """
 
     gamma: float
@@ -184,11 +188,21 @@ class DdgPlan:
     dim: int
     devices: int
 
-    def event(self, steps: int = 1) -> DistributedDiscreteGaussian:
-        """The privacy event of ``steps`` rounds of one device (KLS 2021)."""
+    def event(self, steps: int = 1, *, adjacency: str) -> DistributedDiscreteGaussian:
+        """The privacy event of ``steps`` rounds of one device (KLS 2021 Theorem 1), for
+        one SAMPLE of its data under ``adjacency`` (required): ``"add_remove"`` or
+        ``"zero_out"`` (the same D2: a null sample's rounded row is 0; either way the device
+        stays in the round and its noise share stays in the sum, which the bound needs),
+        or ``"substitution"`` (D2 and D1 doubled). Assumes n = r shares (see ``devices``).
+        """
+        if adjacency not in ("add_remove", "zero_out", "substitution"):
+            raise ValueError("adjacency must be 'add_remove', 'zero_out' or 'substitution', "
+                             f"got {adjacency!r}")
+        twice = 2.0 if adjacency == "substitution" else 1.0  # exact scaling
         return DistributedDiscreteGaussian(
-            l2_sensitivity=self.l2_sensitivity, l1_sensitivity=self.l1_sensitivity,
-            sigma=self.sigma, devices=self.devices, dim=self.dim, steps=steps)
+            l2_sensitivity=twice * self.l2_sensitivity,
+            l1_sensitivity=twice * self.l1_sensitivity, sigma=self.sigma,
+            devices=self.devices, dim=self.dim, steps=steps, adjacency=adjacency)
 
 
 def ddg_plan(cfg: SimConfig, num_params: int) -> DdgPlan:
@@ -242,9 +256,8 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
     # Zero-out, the relation the device ledger states everything under: Poisson events keep
     # their add/remove numbers, without-replacement and shuffle events their substitution ones.
     adjacency = "zero_out"
-    # ddg: DdgPlan.event is stated under add/remove (one sample's rounded vector).
-    accountants = [RdpAccountant(adjacency="add_remove" if cfg.mechanism == "ddg" else adjacency)
-                   for _ in range(cfg.devices)]
+    # ddg too: DdgPlan.event under zero-out (one sample's rounded row; the share stays).
+    accountants = [RdpAccountant(adjacency=adjacency) for _ in range(cfg.devices)]
     participated = np.zeros(cfg.devices, dtype=np.int64)
     # binomial: per device, eps and delta summed over rounds (basic composition)
     binom_eps = np.zeros(cfg.devices)
@@ -302,7 +315,7 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
                 res = local_round_ddg(engine, params, x, y, device_rngs[i], clip=cfg.clip,
                                       gamma=ddg.gamma, sigma=ddg.sigma, bits=bits,
                                       coords=coords)
-                accountants[i].compose(ddg.event())
+                accountants[i].compose(ddg.event(adjacency="zero_out"))
                 residue_sum += res.residues
                 plain_sum += res.integers
                 payload, overhead = _upload_ddg(k, bits, rnd, int(i))
@@ -379,7 +392,8 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
             "max over devices, sample-level DP; null = no DP guarantee. "
             + ("cpSGD Thm 1 (paper bound) per round, basic composition"
                if cfg.mechanism == "binomial" else
-               "distributed discrete Gaussian (KLS 2021 Thm 1) RDP accountant, r shares"
+               "distributed discrete Gaussian (KLS 2021 Thm 1) RDP accountant, zero-out, "
+               "n = r shares: assumes no dropouts and no colluders"
                if cfg.mechanism == "ddg" else "RDP accountant, zero-out adjacency")),
         "delta": cfg.delta,
         "paper_epsilon": (finite(float(paper_eps.max()))

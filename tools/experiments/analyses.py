@@ -373,7 +373,8 @@ def fedspa_ddg(exp: Any, records: list[dict[str, Any]], vdir: Path, docdir: Path
     plot = _curves_plot(groups, vdir / "accuracy.png", f"{exp.name} ({vdir.name})")
     out = ["Each private row's z (the std of the cohort's summed noise over C) is the "
            "smallest giving eps <= 1 at delta = 1e-3 under our distributed-discrete-Gaussian "
-           "accountant (`edge_sdk.privacy.discrete`, r shares: the cohort, per-sample L2 "
+           "accountant (`edge_sdk.privacy.discrete`, n = r shares: the cohort, which "
+           "assumes no dropouts and no colluders; per-sample L2 "
            "sensitivity D2 of the rounded encoding) for the device taking part in the most "
            "rounds; sigma_dev = z (C / gamma) / sqrt(r) is each device's discrete Gaussian "
            "parameter in integer steps; bits is the ring 2^bits, sized for the worst-case "
