@@ -34,7 +34,9 @@ The privacy of the released sum is :func:`event`, a
 :class:`~edge_sdk.privacy.events.DistributedDiscreteGaussian` or
 :class:`~edge_sdk.privacy.events.DistributedSkellam` with sensitivities on the integer
 scale, for :class:`~edge_sdk.privacy.rdp.RdpAccountant` to account (by the bounds of
-:mod:`edge_sdk.privacy.discrete`).
+:mod:`edge_sdk.privacy.discrete`), stated under zero-out or substitution of one device: the
+caller must name the relation, and device-level add/remove is refused, because the bound
+needs the target's noise share in both neighbouring sums.
 
 Rotation PRG (version ``fedge/ddp/rotation/v1``), shared by devices and server::
 
@@ -77,6 +79,7 @@ __all__ = [
     "MAX_BITS",
     "ROTATION_INFO",
     "DEFAULT_BETA",
+    "DEVICE_ADD_REMOVE_REFUSAL",
     "ConditionalRoundingFailed",
     "DistributedDP",
     "NoiseKind",
@@ -793,32 +796,70 @@ def decode_sum(
     return unrotate(signed.astype(np.float64) * cfg.gamma, round_seed, d)
 
 
+DEVICE_ADD_REMOVE_REFUSAL = (
+    "device-level add/remove is not a relation the distributed discrete Gaussian or Skellam "
+    "bound covers: the removed device takes its noise share with it, so the neighbours carry "
+    "n and n-1 shares, and KLS 2021 Theorem 1 (AKL 2021 likewise) needs the same noise in "
+    "both. Every coordinate then leaks the variance change, whatever sigma: at n = 89 "
+    "devices, d' = 32768, z = 1 the claimed (4.77, 1e-5) has true delta >= 1.2e-2 (privacy "
+    "review of issue 15/16, /work/wt/pr/review.md, Q2). Use adjacency='zero_out' (the device "
+    "takes part with a null update, its share stays in the sum) or 'substitution' (its data "
+    "replaced, its share stays; sensitivities doubled)"
+)
+"""Why :func:`event` refuses device-level ``"add_remove"`` (the text of its error)."""
+
+
 def event(
-    cfg: DistributedDP, devices: int, dim: int, steps: int = 1
+    cfg: DistributedDP, devices: int, dim: int, steps: int = 1, *, adjacency: str
 ) -> DistributedDiscreteGaussian | DistributedSkellam:
-    """The privacy event of releasing the decoded sum of ``devices`` encodings.
+    """The privacy event of releasing the decoded sum, for one device (the record is a device).
 
     Sensitivities on the integer scale: D2 = :func:`rounded_l2_bound` (clip/gamma, d',
-    beta), the bound conditional rounding enforces on one device's vector (add/remove
-    that device's contribution), and D1 = min(sqrt(d') D2, D2^2) (integer coordinates:
-    |v_i| <= v_i^2). The noise is in d' = padded_dim(dim) coordinates.
+    beta), the bound conditional rounding enforces on one device's vector, and
+    D1 = min(sqrt(d') D2, D2^2) (integer coordinates: |v_i| <= v_i^2), both rounded up. The
+    noise is in d' = padded_dim(dim) coordinates. The bound is KLS 2021 Theorem 1 (Skellam:
+    AKL 2021), which compares x + Z with x' + Z for the SAME summed noise Z, so it holds
+    only for relations under which the target device's noise share is in both neighbours:
+
+    * ``"zero_out"``: the device takes part with a null update (its clipped update is 0,
+      its rounded vector 0) and its share stays: D2 and D1 as above;
+    * ``"substitution"``: the device's data is replaced and its share stays: the vectors of
+      the two neighbours differ by at most 2 D2 (2 D1), by the triangle inequality through 0;
+    * ``"add_remove"`` is refused (:data:`DEVICE_ADD_REMOVE_REFUSAL`): an absent device adds
+      no share, so the neighbours have n and n-1 shares and no bound here applies.
 
     Args:
         cfg: the encoding parameters.
-        devices: the number of devices whose noise is certain to be in the sum (with
-            dropouts: the survivors; SecAgg's threshold is a safe lower bound).
+        devices: n, the honest uploads certainly in the released sum, the target device
+            included: min_survivors - max_colluders (uploads that drop after masking stay in
+            the sum; colluders can subtract their own shares). Not SecAgg's threshold t,
+            which bounds collusion, not the number of uploads summed.
         dim: the update's dimension d (before padding).
         steps: number of such releases (rounds) to charge.
+        adjacency: ``"zero_out"`` or ``"substitution"`` (required: the relation is the
+            caller's claim, never a default).
 
     Returns:
         A :class:`~edge_sdk.privacy.events.DistributedDiscreteGaussian` or
-        :class:`~edge_sdk.privacy.events.DistributedSkellam`, stated under add/remove
-        (the default adjacency).
+        :class:`~edge_sdk.privacy.events.DistributedSkellam` stated under ``adjacency``.
+
+    Raises:
+        ValueError: ``adjacency`` is ``"add_remove"`` (see above) or not a known relation;
+            bad ``devices``, ``dim`` or ``steps``.
     """
+    if adjacency == "add_remove":
+        raise ValueError(f"adjacency={adjacency!r}: {DEVICE_ADD_REMOVE_REFUSAL}")
+    if adjacency not in ("zero_out", "substitution"):
+        raise ValueError(
+            f"adjacency must be 'zero_out' or 'substitution' (device level), got {adjacency!r}"
+        )
     n = _check_int("devices", devices, 1)
     dp = padded_dim(dim)
     l2 = _l2_bound(cfg, dp)
-    l1 = math.nextafter(min(math.sqrt(dp) * l2, l2 * l2), math.inf)  # never round down
+    l1 = min(math.sqrt(dp) * l2, l2 * l2)
+    if adjacency == "substitution":  # x - x' = (x - 0) + (0 - x'); doubling is exact
+        l2, l1 = 2.0 * l2, 2.0 * l1
+    l1 = math.nextafter(l1, math.inf)  # never round down
     if cfg.noise == "discrete_gaussian":
         return DistributedDiscreteGaussian(
             l2_sensitivity=l2,
@@ -827,6 +868,7 @@ def event(
             devices=n,
             dim=dp,
             steps=steps,
+            adjacency=adjacency,
         )
     return DistributedSkellam(
         l1_sensitivity=l1,
@@ -834,6 +876,7 @@ def event(
         mu=cfg.noise_parameter,
         devices=n,
         steps=steps,
+        adjacency=adjacency,
     )
 
 

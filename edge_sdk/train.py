@@ -376,8 +376,10 @@ def local_round_binomial(
 
     The clipped update of :func:`local_round_update_noise` (no Gaussian noise) is
     quantized without bias onto the grid of spacing g = S / levels, then
-    Binomial(trials, 1/2) - trials/2 is added to each integer. Its privacy comes from
-    cpSGD's Theorem 1 (a paper bound, see :mod:`edge_sdk.privacy.binomial`).
+    Binomial(trials, 1/2) - trials/2 is added to each integer. Its privacy: the event's
+    restricted-RDP bound (:meth:`~edge_sdk.privacy.binomial.CpsgdBinomial.epsilon`);
+    cpSGD's Theorem 1 only as a labelled paper figure (it can be below the true epsilon).
+    Simulation-only: no device configuration selects it (:mod:`edge_sdk.privacy.binomial`).
     """
     # Imported here: compress pulls in `cryptography`, which the plain DP-SGD path never needs.
     from edge_sdk.compress import binomial_noise

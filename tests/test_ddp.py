@@ -370,7 +370,7 @@ def test_decoded_sum_carries_the_accounted_noise(noise: str, kw: dict[str, float
     _, wide_ints = _trials(wide, x, 6)
     np.testing.assert_array_equal(ints, wide_ints)
     # The accountant's event for this configuration carries the same noise parameter.
-    ev = event(cfg, N_DEV, DIM)
+    ev = event(cfg, N_DEV, DIM, adjacency="zero_out")
     if noise == "skellam":
         assert isinstance(ev, DistributedSkellam) and ev.variance == N_DEV * noise_variance(cfg)
     else:
@@ -441,7 +441,7 @@ def test_encode_decode_single_device_and_zero_noise() -> None:
     enc = encode_device(x, cfg, SEED, rng)
     assert enc.shape == (128,) and enc.dtype == np.uint64
     ints = Ring(bits=cfg.bits).to_signed(enc)
-    ev = event(cfg, 1, 100)
+    ev = event(cfg, 1, 100, adjacency="zero_out")
     assert float(np.linalg.norm(ints)) <= ev.l2_sensitivity
     assert float(np.abs(ints).sum()) <= ev.l1_sensitivity
     dec = decode_sum(enc, cfg, SEED, 100, 1)
@@ -450,7 +450,7 @@ def test_encode_decode_single_device_and_zero_noise() -> None:
 
 def test_event_sensitivities() -> None:
     cfg = DistributedDP(clip=1.0, gamma=1 / 64, noise="skellam", mu=3.0, bits=30, beta=0.1)
-    ev = event(cfg, 7, 100, steps=5)
+    ev = event(cfg, 7, 100, steps=5, adjacency="zero_out")
     assert isinstance(ev, DistributedSkellam)
     d2 = rounded_l2_bound(64.0, 128, 0.1)
     assert ev.l2_sensitivity == d2
@@ -458,9 +458,19 @@ def test_event_sensitivities() -> None:
     assert ev.l1_sensitivity == pytest.approx(min(math.sqrt(128) * d2, d2 * d2), rel=1e-15)
     assert (ev.mu, ev.devices, ev.steps) == (3.0, 7, 5)
     dg = event(
-        DistributedDP(clip=1.0, gamma=1 / 64, noise="discrete_gaussian", sigma=2.0, bits=30), 7, 100
+        DistributedDP(clip=1.0, gamma=1 / 64, noise="discrete_gaussian", sigma=2.0, bits=30),
+        7,
+        100,
+        adjacency="zero_out",
     )
     assert isinstance(dg, DistributedDiscreteGaussian) and dg.dim == 128
+    assert ev.adjacency == dg.adjacency == "zero_out"
+    # Substitution: the target's share stays, its vector may move from v to v': 2 D2, 2 D1.
+    sub = event(cfg, 7, 100, steps=5, adjacency="substitution")
+    assert isinstance(sub, DistributedSkellam) and sub.adjacency == "substitution"
+    assert sub.l2_sensitivity == 2 * d2
+    assert sub.l1_sensitivity >= 2 * min(math.sqrt(128) * d2, d2 * d2)
+    assert sub.l1_sensitivity == pytest.approx(2 * ev.l1_sensitivity, rel=1e-15)
 
 
 def test_epsilon_of_the_sum_example() -> None:
@@ -475,8 +485,8 @@ def test_epsilon_of_the_sum_example() -> None:
         bits=choose_bits(n, d, 1.0, 2.0**-10, 102.4, 1e-6),
     )
     sk = DistributedDP(clip=1.0, gamma=2.0**-10, noise="skellam", mu=102.4**2 / 2, bits=dg.bits)
-    eps_dg = discrete_epsilon(event(dg, n, d), 1e-5)
-    eps_sk = discrete_epsilon(event(sk, n, d), 1e-5)
+    eps_dg = discrete_epsilon(event(dg, n, d, adjacency="zero_out"), 1e-5)
+    eps_sk = discrete_epsilon(event(sk, n, d, adjacency="zero_out"), 1e-5)
     print(
         f"\nn={n}, d={d}, C=1, gamma=2^-10, sigma={dg.sigma}, bits={dg.bits}: "
         f"eps(1e-5) of one round: DDG={eps_dg:.4f}, Skellam={eps_sk:.4f}"

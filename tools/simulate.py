@@ -12,8 +12,10 @@ Mechanisms (``mechanism``):
 * ``update-noise``: privatized FedPAQ (Alg. 2): clipped SGD on a subsample drawn without
   replacement, Gaussian noise once on the clipped update.
 * ``binomial``: the cpSGD baseline: the same clipped update quantized onto a grid of
-  S / levels, plus Binomial(N, 1/2) noise. Its epsilon is cpSGD's Theorem 1 (a paper
-  bound) per round at delta / rounds, amplified by the subsample, composed by summing.
+  S / levels, plus Binomial(N, 1/2) noise. Its ``epsilon`` is the restricted-RDP bound of
+  :mod:`edge_sdk.privacy.binomial` (each round charged in full, composed, converted at
+  delta); cpSGD's Theorem 1 can be below the true epsilon, so it is reported only as the
+  labelled ``paper_epsilon`` (per round at delta / rounds, amplified, summed).
 * ``ddg``: FedSGD with the distributed discrete Gaussian (Kairouz, Liu, Steinke 2021)
   under secure aggregation, sample-level: each round every cohort device sums ALL its
   samples' gradients (q = 1, no amplification by sampling), each restricted to the
@@ -26,8 +28,9 @@ Mechanisms (``mechanism``):
   data size, and hands -lr / p times that mean gradient to the server optimizer: one
   release, one step per round. Why not tau local steps: other devices' noise provably
   covers only the released sum, so intermediate local states would each need their own
-  noise. Each device's :class:`~edge_sdk.privacy.rdp.RdpAccountant` (add/remove)
-  composes one distributed-discrete-Gaussian event per round it took part in.
+  noise. Each device's :class:`~edge_sdk.privacy.rdp.RdpAccountant` (zero-out of one
+  sample) composes one distributed-discrete-Gaussian event per round it took part in, with
+  n = r noise shares: that assumes no dropouts (none here) and no colluders.
 Uploads: the kept values (k = p*d of them), optionally quantized with s levels (QSGD,
 after the noise), counted in bytes: payload, msgpack framing and the MQTT PUBLISH header.
 
@@ -67,6 +70,11 @@ from edge_sdk.engine import load_engine
 from edge_sdk.hazmat.ring import Ring
 from edge_sdk.model import build_spec, flatten_params, init_params, unflatten_params
 from edge_sdk.privacy import DistributedDiscreteGaussian, RdpAccountant
+from edge_sdk.privacy.binomial import (
+    BINOMIAL_ORDERS,
+    PAPER_BOUND_LABEL,
+    restricted_rdp_epsilon,
+)
 from edge_sdk.privacy.paper_bounds import fedpaq_epsilon_from_noise
 from edge_sdk.train import (
     local_round,
@@ -195,7 +203,10 @@ class DdgPlan:
             vector, so one sample's change to a device's integer sum (add/remove).
         l1_sensitivity: min(sqrt(k) D2, D2^2) (integer coordinates), rounded up.
         dim: k, the coordinates noised and uploaded.
-        devices: r, the cohort: noise shares in every released sum (no dropouts here).
+        devices: n = r, the cohort: the noise shares in every released sum. n = r assumes
+            no dropouts (none here) and no colluders (nobody who can subtract a share); with
+            either, n = min_survivors - max_colluders (privacy review, Q2: 1 colluder at
+            r = 10 moves the true epsilon from 1.0 to 1.066).
     """
 
     gamma: float
@@ -205,11 +216,21 @@ class DdgPlan:
     dim: int
     devices: int
 
-    def event(self, steps: int = 1) -> DistributedDiscreteGaussian:
-        """The privacy event of ``steps`` rounds of one device (KLS 2021)."""
+    def event(self, steps: int = 1, *, adjacency: str) -> DistributedDiscreteGaussian:
+        """The privacy event of ``steps`` rounds of one device (KLS 2021 Theorem 1), for
+        one SAMPLE of its data under ``adjacency`` (required): ``"add_remove"`` or
+        ``"zero_out"`` (the same D2: a null sample's rounded row is 0; either way the device
+        stays in the round and its noise share stays in the sum, which the bound needs),
+        or ``"substitution"`` (D2 and D1 doubled). Assumes n = r shares (see ``devices``).
+        """
+        if adjacency not in ("add_remove", "zero_out", "substitution"):
+            raise ValueError("adjacency must be 'add_remove', 'zero_out' or 'substitution', "
+                             f"got {adjacency!r}")
+        twice = 2.0 if adjacency == "substitution" else 1.0  # exact scaling
         return DistributedDiscreteGaussian(
-            l2_sensitivity=self.l2_sensitivity, l1_sensitivity=self.l1_sensitivity,
-            sigma=self.sigma, devices=self.devices, dim=self.dim, steps=steps)
+            l2_sensitivity=twice * self.l2_sensitivity,
+            l1_sensitivity=twice * self.l1_sensitivity, sigma=self.sigma,
+            devices=self.devices, dim=self.dim, steps=steps, adjacency=adjacency)
 
 
 def ddg_plan(cfg: SimConfig, num_params: int) -> DdgPlan:
@@ -265,13 +286,14 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
     # Zero-out, the relation the device ledger states everything under: Poisson events keep
     # their add/remove numbers, without-replacement and shuffle events their substitution ones.
     adjacency = "zero_out"
-    # ddg: DdgPlan.event is stated under add/remove (one sample's rounded vector).
-    accountants = [RdpAccountant(adjacency="add_remove" if cfg.mechanism == "ddg" else adjacency)
-                   for _ in range(cfg.devices)]
+    # ddg too: DdgPlan.event under zero-out (one sample's rounded row; the share stays).
+    accountants = [RdpAccountant(adjacency=adjacency) for _ in range(cfg.devices)]
     participated = np.zeros(cfg.devices, dtype=np.int64)
     # binomial: per device, eps and delta summed over rounds (basic composition)
-    binom_eps = np.zeros(cfg.devices)
-    binom_delta = np.zeros(cfg.devices)
+    binom_eps = np.zeros(cfg.devices)  # cpSGD Thm 1 (paper figure only)
+    # binomial, sound: restricted Renyi moments and delta0 summed over rounds (composition)
+    binom_rdp = np.zeros((cfg.devices, len(BINOMIAL_ORDERS)))
+    binom_delta0 = np.zeros(cfg.devices)
     paper_eps = np.zeros(cfg.devices)  # update-noise: FedPAQ eq. (16) per round, summed
 
     params = init_params(spec, init_rng)
@@ -325,7 +347,7 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
                 res = local_round_ddg(engine, params, x, y, rng, clip=cfg.clip,
                                       gamma=ddg.gamma, sigma=ddg.sigma, bits=bits,
                                       coords=coords)
-                accountants[i].compose(ddg.event())
+                accountants[i].compose(ddg.event(adjacency="zero_out"))
                 residue_sum += res.residues
                 plain_sum += res.integers
                 payload, overhead = _upload_ddg(k, bits, rnd, int(i))
@@ -334,9 +356,11 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
                                            trials=cfg.binomial_trials,
                                            levels=cfg.quant_levels or 127,
                                            update_clip=cfg.update_clip)
-                e, dl = res.event.epsilon_delta(cfg.delta / cfg.rounds)
+                e, _ = res.event.paper_epsilon_delta(cfg.delta / cfg.rounds)  # paper figure
                 binom_eps[i] += e
-                binom_delta[i] += dl
+                rho, delta0 = res.event.restricted_rdp()  # every round charged in full
+                binom_rdp[i] += rho
+                binom_delta0[i] += delta0
                 decoded, payload, overhead = _upload_integers(res.integers, res.grid, rnd, int(i))
             else:
                 if cfg.mechanism == "update-noise":
@@ -371,8 +395,9 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
         if coords is not None:
             dense[coords] = mean_kept
         params, state = server.update(unflatten_params(spec, dense), state, params)
-        if cfg.mechanism == "binomial":
-            eps = float(binom_eps.max())
+        if cfg.mechanism == "binomial":  # the restricted-RDP bound (not cpSGD Thm 1)
+            eps = max(restricted_rdp_epsilon(binom_rdp[i], BINOMIAL_ORDERS, binom_delta0[i],
+                                             cfg.delta) for i in np.flatnonzero(participated))
         else:
             eps = max(accountants[i].get_epsilon(cfg.delta)
                       for i in np.flatnonzero(participated))
@@ -400,16 +425,23 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
         "epsilon_per_round": [finite(e) for e in eps_hist],
         "epsilon_note": (
             "max over devices, sample-level DP; null = no DP guarantee. "
-            + ("cpSGD Thm 1 (paper bound) per round, basic composition"
+            + ("binomial: restricted-RDP bound (edge_sdk.privacy.binomial; substitution), "
+               "every round charged in full, no subsampling amplification; cpSGD Thm 1 "
+               "is only the labelled paper_epsilon"
                if cfg.mechanism == "binomial" else
-               "distributed discrete Gaussian (KLS 2021 Thm 1) RDP accountant, r shares"
+               "distributed discrete Gaussian (KLS 2021 Thm 1) RDP accountant, zero-out, "
+               "n = r shares: assumes no dropouts and no colluders"
                if cfg.mechanism == "ddg" else "RDP accountant, zero-out adjacency")),
         "delta": cfg.delta,
-        "paper_epsilon": (finite(float(paper_eps.max()))
-                          if cfg.mechanism == "update-noise" else None),
+        "paper_epsilon": (finite(float(paper_eps.max())) if cfg.mechanism == "update-noise"
+                          else finite(float(binom_eps.max())) if cfg.mechanism == "binomial"
+                          else None),
         "paper_epsilon_note": ("update-noise: FedPAQ eq. (16) per round at delta/rounds, "
                                "summed over a device's rounds (paper bound, not necessarily "
-                               "sound)" if cfg.mechanism == "update-noise" else None),
+                               "sound)" if cfg.mechanism == "update-noise" else
+                               f"{PAPER_BOUND_LABEL}; per round at delta/rounds, amplified by "
+                               "the subsample, summed over a device's rounds"
+                               if cfg.mechanism == "binomial" else None),
         "bytes_up_total": bytes_up_payload + bytes_up_overhead,
         "bytes_up_payload": bytes_up_payload,
         "bytes_up_overhead": bytes_up_overhead,

@@ -225,12 +225,15 @@ class DistributedDiscreteGaussian:
         l1_sensitivity: D1, bound on ||v - v'||_1 on the integer scale (>= 0); for integer
             vectors min(sqrt(dim) D2, D2^2) always holds.
         sigma: per-device discrete Gaussian parameter, integer scale (>= 0; 0: no privacy).
-        devices: n, the number of noise shares in the released sum (>= 1). With dropouts,
-            count only the devices whose noise is certain to be in the sum.
+        devices: n, the noise shares certainly in the released sum that the adversary
+            cannot subtract (>= 1): honest uploads, the target included, i.e.
+            min_survivors - max_colluders under secure aggregation with dropouts.
         dim: d, the number of noised coordinates (after padding) (>= 1).
         steps: number of releases (>= 1).
-        adjacency: the neighbouring relation D2 and D1 are stated for (default add/remove,
-            as every producer states them today).
+        adjacency: the neighbouring relation D2 and D1 are stated for (default add/remove).
+            The bound needs the same n shares in both neighbours: sample-level add/remove
+            is fine (the device stays), device-level add/remove is not (the absent device's
+            share leaves with it; :func:`edge_sdk.ddp.event` refuses it).
     """
 
     l2_sensitivity: float
@@ -264,10 +267,11 @@ class DistributedSkellam:
         l2_sensitivity: D2, bound on ||v - v'||_2 on the integer scale (>= 0).
         mu: per-device Poisson rate (each device's noise has variance 2 mu) (>= 0; 0: no
             privacy).
-        devices: n, the number of noise shares in the released sum (>= 1).
+        devices: n, the noise shares certainly in the released sum that the adversary
+            cannot subtract (>= 1), as for :class:`DistributedDiscreteGaussian`.
         steps: number of releases (>= 1).
-        adjacency: the neighbouring relation D1 and D2 are stated for (default add/remove,
-            as every producer states them today).
+        adjacency: the neighbouring relation D1 and D2 are stated for (default add/remove;
+            as for :class:`DistributedDiscreteGaussian`, never device-level add/remove).
     """
 
     l1_sensitivity: float

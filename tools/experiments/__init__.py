@@ -167,7 +167,9 @@ def _ddg_noise(settings: dict[str, Any], target: float, delta: float, rounds: in
 
     def eps_of(z: float) -> float:
         cfg = SimConfig(**{**settings, "noise_multiplier": z, "progress": False})
-        return discrete_epsilon(ddg_plan(cfg, d).event(rounds), delta)
+        # The simulator's relation and share count (zero-out, n = r: no dropouts, no
+        # colluders), so the calibrated z is the one its accountant reports.
+        return discrete_epsilon(ddg_plan(cfg, d).event(rounds, adjacency="zero_out"), delta)
 
     return _smallest_noise(eps_of, target)
 
