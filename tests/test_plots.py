@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import struct
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -57,8 +59,8 @@ def test_fast_simulator_writes_its_plot_and_the_series_are_the_summarys(tmp_path
     assert s.rounds == (1, 2, 3, 4)
     assert list(s.accuracy) == summary["accuracy_per_round"]
     assert s.accuracy[0] is None and s.accuracy[1] is not None  # evaluated every 2nd round
-    assert list(s.epsilon) == ["max over devices"]
-    assert list(s.epsilon["max over devices"]) == summary["epsilon_per_round"]
+    assert list(s.epsilon) == ["max over devices (RDP accountant, zero-out adjacency)"]
+    assert list(*s.epsilon.values()) == summary["epsilon_per_round"]
     assert s.delta == summary["delta"]
     assert sum(s.bytes_up) == summary["bytes_up_total"]
     assert sum(s.bytes_down) == summary["bytes_down_total"]
@@ -88,6 +90,12 @@ def test_fleet_writes_its_plot_with_both_epsilon_views(tmp_path) -> None:
     # the totals also count what flows outside rounds (check-ins, the first model)
     assert 0 < sum(s.bytes_up) <= summary["bytes_up_total"]
     assert 0 < sum(s.bytes_down) <= summary["bytes_down_total"]
+
+
+def test_neither_the_plots_nor_the_clis_import_matplotlib_until_they_draw() -> None:
+    code = ("import sys, tools.plots, tools.ledger_cli, tools.cli; "
+            "assert 'matplotlib' not in sys.modules, 'matplotlib imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
 
 
 def test_series_refuse_what_they_cannot_draw() -> None:

@@ -108,7 +108,10 @@ def run_series(summary: dict[str, Any]) -> RunSeries:
         per = summary["bytes_per_round"]
         rounds = tuple(range(1, len(per) + 1))
         accuracy = tuple(summary["accuracy_per_round"])
-        epsilon = {"max over devices": tuple(_finite(e) for e in summary["epsilon_per_round"])}
+        # the note's tail names the theorem behind the figure (RDP accountant, cpSGD's bound)
+        how = note.split(". ", 1)[1] if ". " in note else note
+        label = f"max over devices ({how})" if how else "max over devices"
+        epsilon = {label: tuple(_finite(e) for e in summary["epsilon_per_round"])}
         up = tuple(int(b["up_payload"]) + int(b["up_overhead"]) for b in per)
         down = tuple(int(b["down"]) for b in per)
         cfg = summary.get("config", {})
@@ -221,7 +224,7 @@ def plot_ledger(series: LedgerSeries, path: str | Path) -> Path:
         ax.step(series.seq, _nan(series.aggregate), "--", where="post",
                 label="aggregate epsilon (secure sum only)")
         ax.axhline(series.budget_epsilon, color="red", linestyle=":",
-                   label=f"budget {series.budget_epsilon:g}")
+                   label=f"budget: epsilon {series.budget_epsilon:g}")
         span = ""
         if series.time:
             fmt = "%Y-%m-%d %H:%M:%S"
