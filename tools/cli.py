@@ -84,11 +84,13 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--budget-epsilon", type=float, help="each device ledger's lifetime budget")
     g.add_argument("--workdir", help="keep ledgers, checkpoint and broker files here "
                                      "(default: a temporary directory)")
-    p.add_argument("--json-out", help="write the JSON summary here")
+    p.add_argument("--json-out", help="write the JSON summary here, and beside it (same name, "
+                   ".png) a plot of accuracy, epsilon and bytes per round")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from tools.plots import plot_run, png_beside, run_series
     from tools.run import run
     from tools.simconfig import SimConfig, load_config
     from tools.simulate import write_json
@@ -107,9 +109,12 @@ def _simulate(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, **overrides) if args.config else SimConfig(**overrides)
     if args.workdir and not cfg.secagg:
         raise ValueError("--workdir applies to the fleet path (--secagg or --transport mqtt)")
+    # the plot's path is checked before the run, not after it
+    png = png_beside(args.json_out) if args.json_out else None
     summary = run(cfg, workdir=args.workdir)
-    if args.json_out:
+    if args.json_out and png is not None:
         write_json(summary, args.json_out)
+        plot_run(run_series(summary), png)
     eps = summary["epsilon"]
     eps_s = "inf (no noise)" if eps is None else f"{eps:.4f} at delta={cfg.delta:g}"
     if summary.get("paper_epsilon") is not None:

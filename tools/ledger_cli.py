@@ -1,7 +1,8 @@
 """``fedge ledger show`` and ``fedge ledger verify``: read a device's privacy ledger.
 
 ``show`` prints every entry with the running local and aggregate epsilon (nats, at the
-budget's delta) after it, then the totals. ``--json`` prints one object::
+budget's delta) after it, then the totals; ``--plot OUT.png`` also draws that running spend
+against the budget line (:func:`tools.plots.plot_ledger`). ``--json`` prints one object::
 
     {"entries": [{"seq", "kind", "reservation", "round_id", "model_id", "time", "event",
                   "aggregate_event", "cohort_size", "secagg_threshold", "prev_hash", "hash",
@@ -59,6 +60,9 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
     show.add_argument("--accountant", choices=sorted(ACCOUNTANTS), default="rdp",
                       help="rdp (default: what the device enforces its budget with) or pld "
                            "(tightest; slow on long ledgers)")
+    show.add_argument("--plot", metavar="OUT.png",
+                      help="also draw the running spend after each entry against the budget "
+                           "into this PNG (needs matplotlib, the sim extra)")
     verify = lsub.add_parser("verify", help="check the file, its schema and its hash chain")
     verify.add_argument("--path", default=DEFAULT_PATH, help=_PATH_HELP)
 
@@ -79,7 +83,8 @@ def run_ledger(args: argparse.Namespace) -> int:
             if args.ledger_command == "verify":
                 _verify(ledger)
             else:
-                _show(ledger, args.json, getattr(args, "accountant", "rdp"))
+                _show(ledger, args.json, getattr(args, "accountant", "rdp"),
+                      getattr(args, "plot", None))
     except LedgerCorrupted as exc:
         print(f"fedge ledger: {exc}", file=sys.stderr)
         print("fedge ledger: the device must not train on this ledger", file=sys.stderr)
@@ -111,10 +116,17 @@ def _running(ledger: Ledger, entries: tuple[Entry, ...]) -> list[tuple[float, fl
     return out
 
 
-def _show(ledger: Ledger, as_json: bool, accountant: str) -> None:
+def _show(ledger: Ledger, as_json: bool, accountant: str, plot: str | None = None) -> None:
     entries = ledger.entries()
     running = _running(ledger, entries)
     spent = ledger.spent()
+    if plot:
+        # lazily: matplotlib is a tools extra, never needed to read a ledger on a device
+        from tools.plots import ledger_series, plot_ledger
+
+        plot_ledger(ledger_series(device_id=ledger.device_id, entries=entries, running=running,
+                                  budget_epsilon=ledger.budget.epsilon,
+                                  delta=ledger.budget.delta, accountant=accountant), plot)
     if as_json:
         rows = []
         for e, (local, agg) in zip(entries, running, strict=True):
