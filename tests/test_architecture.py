@@ -263,7 +263,8 @@ def test_listed_wrong_edge_is_gone(importer: str, imported: str) -> None:
     assert not [w for w in _wrong_edges() if w[:2] == (importer, imported)]
 
 
-LIGHT = ("edge_sdk.wire", "edge_sdk.secagg", "aggregator.rounds", "edge_sdk.config")
+LIGHT = ("edge_sdk.wire", "edge_sdk.wire.schema", "edge_sdk.secagg", "aggregator.rounds",
+         "edge_sdk.config")
 
 
 @pytest.mark.parametrize("module", [
