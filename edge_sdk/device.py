@@ -306,7 +306,7 @@ class _Agent:
             self._open = (rnd, s.model_version)
             self._data.trained()
             self._emit({"event": "round", "round": rnd, "model_version": s.model_version})
-        chunks = [p for p in out if p.topic.endswith("/up/chunk")]
+        chunks = [p for p in out if p.topic.endswith("/up/masked_part")]
         if chunks:
             # the same upload again (the aggregator re-sent its request after a restart)
             # is "resent"; "uploaded" happens once per round and process
@@ -316,7 +316,7 @@ class _Agent:
                         "chunks": len(chunks), "bytes": sum(len(p.payload) for p in chunks)})
         for p in out:
             if p.topic.endswith("/up/decline"):
-                msg = wire.decode(p.payload)
+                msg = wire.decode(p.payload, wire.UP_KINDS)
                 self._emit({"event": "declined", "round": msg.round_id,  # type: ignore[union-attr]
                             "reason": msg.reason})  # type: ignore[union-attr]
             elif p.topic.endswith("/up/checkin"):

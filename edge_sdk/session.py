@@ -80,16 +80,21 @@ from edge_sdk.fixedpoint import FixedPoint
 from edge_sdk.ledger import BudgetExhausted, Ledger, LedgerError, Plan, Reservation
 from edge_sdk.model import ModelSpec, flatten_params
 from edge_sdk.privacy.aggregate import aggregate_event
-from edge_sdk.secagg import DeviceIdentity, Registry, SecAggClient, messages
+from edge_sdk.secagg import DeviceIdentity, Registry, RoundConfig, SecAggClient
 from edge_sdk.train import LocalTraining, TrainingDiverged, local_round, round_event
 from edge_sdk.wire import (
     CheckIn,
     Decline,
     ErrorNotice,
+    ForwardedShares,
+    MaskedPart,
     ModelUpdate,
+    NeighbourKeys,
     Publish,
     RoundPlan,
-    SecAggPacket,
+    SecAggDown,
+    SecAggUp,
+    UnmaskRequest,
 )
 
 __all__ = ["DataSource", "DeviceSession"]
@@ -184,6 +189,7 @@ class DeviceSession:
         self._max_packet = max_packet
         self._params: list[np.ndarray] | None = None
         self._version = -1
+        self._last_round = 0  # the last round this device took part in (its check-ins say)
         self._round: _Round | None = None
         self._inputs: dict[int, np.ndarray] = {}
         self._checkin_every = checkin_every
@@ -253,7 +259,7 @@ class DeviceSession:
 
     def _handle(self, topic: str, payload: bytes, now: float) -> list[Publish]:
         if topic == wire.model_topic(self.fleet):
-            msg = wire.decode(payload)
+            msg = wire.decode(payload, wire.MODEL_KINDS)
             if not isinstance(msg, ModelUpdate):
                 raise RemoteProtocolError(f"a {msg.KIND} message on the model topic")
             return self._on_model(msg)
@@ -261,17 +267,17 @@ class DeviceSession:
         if not topic.startswith(prefix):
             raise RemoteProtocolError("not a topic of this device")
         kind = topic[len(prefix):]
-        msg = wire.decode(payload)
+        msg = wire.decode(payload, wire.DOWN_KINDS)
         if msg.KIND != kind:
             raise RemoteProtocolError(f"a {msg.KIND} message on the {kind!r} topic")
-        if not isinstance(msg, RoundPlan) and msg.device != self.device:  # type: ignore[union-attr]
+        if msg.PARTY == "to" and msg.recipient != self.device:  # type: ignore[attr-defined]
             raise RemoteProtocolError(f"{msg.KIND} is addressed to another device")
         if isinstance(msg, RoundPlan):
             return self._on_plan(msg, bytes(payload), now)
-        if isinstance(msg, SecAggPacket):
-            return self._on_secagg(msg, bytes(payload), now)
+        if msg.KIND in wire.SECAGG_DOWN:
+            return self._on_secagg(msg, bytes(payload), now)  # type: ignore[arg-type]
         if isinstance(msg, ErrorNotice):
-            wire.verify(msg, self._reg, None)
+            self._reg.verify_message(msg)
             r = self._round
             if r is None or msg.round_id != r.plan.round_id:
                 raise RemoteProtocolError(f"error notice for round {msg.round_id}, "
@@ -284,7 +290,7 @@ class DeviceSession:
     # ------------------------------------------------------------------ model
 
     def _on_model(self, msg: ModelUpdate) -> list[Publish]:
-        wire.verify(msg, self._reg, None)
+        self._reg.verify_message(msg)
         if msg.version == self._version and self._params is not None and all(
             np.array_equal(a, b) for a, b in zip(msg.params(), self._params, strict=True)
         ):
@@ -312,13 +318,13 @@ class DeviceSession:
         logger.info("%s declines round %d: %s (%s)", self.device, plan.round_id, reason,
                     detail, extra={"fedge": {"event": "decline", "device": self.device,
                                              "round": plan.round_id, "reason": reason}})
-        msg = wire.sign(Decline(round_id=plan.round_id, device=self.device, reason=reason,
+        msg = wire.sign(Decline(round_id=plan.round_id, sender=self.device, reason=reason,
                                 detail=detail[:256]), self._idn)
         return [Publish(wire.device_up_topic(self.fleet, self.device, "decline"),
                         wire.encode(msg))]
 
     def _on_plan(self, plan: RoundPlan, raw: bytes, now: float) -> list[Publish]:
-        wire.verify(plan, self._reg, None)
+        self._reg.verify_message(plan)
         if self.device not in plan.cohort:
             raise RemoteProtocolError(f"round {plan.round_id}'s plan does not select "
                                       f"{self.device!r}")
@@ -346,17 +352,18 @@ class DeviceSession:
             return self._decline(plan, "stale_model", f"holds model {self._version}, the "
                                                       f"plan trains {plan.model_version}")
         d = sum(math.prod(s) for s in self._shapes)
-        k = d if plan.sparsity == 1.0 else compress.kept_count(d, plan.sparsity)
+        p = plan.params  # the gaussian mechanism's (the only one the wire knows yet)
+        k = d if p.sparsity == 1.0 else compress.kept_count(d, p.sparsity)
         if plan.length != k:
             raise RemoteProtocolError(f"plan length {plan.length}, but rand-k at p = "
-                                      f"{plan.sparsity} of {d} parameters keeps {k}")
+                                      f"{p.sparsity} of {d} parameters keeps {k}")
         try:
-            local = LocalTraining(steps=plan.steps, batch_size=plan.batch_size, lr=plan.lr,
-                                  clip=plan.clip, noise_multiplier=plan.noise_multiplier,
-                                  sampling=plan.sampling,  # type: ignore[arg-type]
-                                  sparsity=plan.sparsity)
-            FixedPoint(scale=plan.scale, bits=plan.bits).check_no_wrap(
-                plan.value_bound, len(plan.cohort))
+            local = LocalTraining(steps=p.steps, batch_size=p.batch_size, lr=p.lr,
+                                  clip=p.clip, noise_multiplier=p.noise_multiplier,
+                                  sampling=p.sampling, sparsity=p.sparsity)
+            FixedPoint(scale=p.scale, bits=plan.bits).check_no_wrap(
+                p.value_bound, len(plan.cohort))
+            config = RoundConfig.of_plan(plan)
         except ValueError as e:
             raise RemoteProtocolError(f"round {plan.round_id}'s plan: {e}") from None
         x, y = self._data()
@@ -390,7 +397,7 @@ class DeviceSession:
             return self._decline(plan, "budget" if isinstance(e, BudgetExhausted) else "ledger",
                                  str(e))
         rng = self._round_rng(plan.round_id)
-        coords = (None if plan.sparsity == 1.0
+        coords = (None if p.sparsity == 1.0
                   else compress.coordinate_set(plan.round_seed, d, plan.length))
         try:
             res = local_round(self._engine, self._params, x, y, local, rng, coords=coords)
@@ -398,13 +405,14 @@ class DeviceSession:
             return self._diverged(plan, reservation)
         flat = flatten_params(res.update).astype(np.float64)
         values = flat if coords is None else flat[coords]
-        if plan.quant_levels:
-            values = compress.dequantize(compress.quantize(values, plan.quant_levels, rng))
-        values = np.clip(values, -plan.value_bound, plan.value_bound)
-        residues = FixedPoint(scale=plan.scale, bits=plan.bits).encode(values, rng)
-        client = SecAggClient(identity=self._idn, registry=self._reg,
-                              config=plan.round_config(), random_bytes=self._random)
+        if p.quant_levels:
+            values = compress.dequantize(compress.quantize(values, p.quant_levels, rng))
+        values = np.clip(values, -p.value_bound, p.value_bound)
+        residues = FixedPoint(scale=p.scale, bits=plan.bits).encode(values, rng)
+        client = SecAggClient(identity=self._idn, registry=self._reg, config=config,
+                              random_bytes=self._random)
         out = self._send_secagg(client.advertise())
+        self._last_round = plan.round_id
         self._round = _Round(plan=plan, client=client, residues=residues,
                              ledger_plan=ledger_plan, reservation=reservation,
                              last_heard=now, answers={raw: out})
@@ -422,24 +430,23 @@ class DeviceSession:
 
     # ------------------------------------------------------------------ secagg
 
-    def _send_secagg(self, msg: messages.Message) -> list[Publish]:
-        return [Publish(wire.device_up_topic(self.fleet, self.device, "secagg"),
-                        wire.encode(SecAggPacket.wrap(msg)))]
+    def _send_secagg(self, *msgs: SecAggUp) -> list[Publish]:
+        return [Publish(wire.device_up_topic(self.fleet, self.device, m.KIND), wire.encode(m))
+                for m in msgs]
 
-    def _on_secagg(self, pkt: SecAggPacket, raw: bytes, now: float) -> list[Publish]:
+    def _on_secagg(self, msg: SecAggDown, raw: bytes, now: float) -> list[Publish]:
         r = self._round
-        if r is None or pkt.round_id != r.plan.round_id:
-            raise RemoteProtocolError(f"secagg message for round {pkt.round_id}, not this "
+        if r is None or msg.round_id != r.plan.round_id:
+            raise RemoteProtocolError(f"{msg.KIND} for round {msg.round_id}, not this "
                                       f"device's open round")
         if raw in r.answers:
             r.last_heard = now
             return list(r.answers[raw])
-        msg = pkt.message()
-        if isinstance(msg, messages.NeighbourKeys):
+        if isinstance(msg, NeighbourKeys):
             out = self._send_secagg(r.client.share_keys(msg))
-        elif isinstance(msg, messages.ForwardedShares):
+        elif isinstance(msg, ForwardedShares):
             out = self._upload(r, msg)
-        elif isinstance(msg, messages.UnmaskRequest):
+        elif isinstance(msg, UnmaskRequest):
             self._check_survivors(r, msg)
             out = self._send_secagg(r.client.unmask(msg))
             self._commit(r)
@@ -449,7 +456,7 @@ class DeviceSession:
         r.last_heard = now
         return list(out)
 
-    def _check_survivors(self, r: _Round, msg: messages.UnmaskRequest) -> None:
+    def _check_survivors(self, r: _Round, msg: UnmaskRequest) -> None:
         """Refuse (nothing revealed) an unmask request for a sum of fewer than the plan's
         ``min_survivors`` uploads: the ledger's aggregate view counts on that many.
 
@@ -460,7 +467,7 @@ class DeviceSession:
         """
         need = r.plan.min_survivors
         seen = len(set(msg.survivors)) + 1  # this device uploaded too
-        complete = (set(r.plan.round_config().neighbours(self.device))
+        complete = (set(RoundConfig.of_plan(r.plan).neighbours(self.device))
                     == set(r.plan.cohort) - {self.device})
         if msg.survivor_count < need:
             raise RemoteProtocolError(f"unmask request for round {r.plan.round_id} names "
@@ -473,16 +480,14 @@ class DeviceSession:
                                       f"(with this device) and allows at most {most} "
                                       f"(complete graph: {complete}); refused")
 
-    def _upload(self, r: _Round, msg: messages.ForwardedShares) -> list[Publish]:
+    def _upload(self, r: _Round, msg: ForwardedShares) -> list[Publish]:
         # the round was reserved (durably) before training, so the upload may leave
-        masked = r.client.mask_input(msg, r.residues)
+        parts: tuple[MaskedPart, ...] = r.client.mask_input(msg, r.residues,
+                                                            max_packet=self._max_packet)
         self._inputs[r.plan.round_id] = r.residues.copy()
         while len(self._inputs) > _KEPT_INPUTS:
             del self._inputs[min(self._inputs)]
-        data = messages.encode_message(masked)
-        topic = wire.device_up_topic(self.fleet, self.device, "chunk")
-        return [Publish(topic, wire.encode(c)) for c in wire.split_upload(
-            round_id=r.plan.round_id, device=self.device, data=data, max_packet=self._max_packet)]
+        return self._send_secagg(*parts)
 
     def _commit(self, r: _Round) -> None:
         if r.reservation is None:
@@ -507,7 +512,7 @@ class DeviceSession:
         except (LedgerError, ValueError) as e:
             logger.error("%s: cannot read the ledger for check-in: %s", self.device, e)
             remaining, size = 0.0, 0
-        msg = wire.sign(CheckIn(device=self.device, data_size=size,
+        msg = wire.sign(CheckIn(round_id=self._last_round, sender=self.device, data_size=size,
                                 remaining_epsilon=float(remaining),
                                 model_version=self._version), self._idn)
         return Publish(wire.device_up_topic(self.fleet, self.device, "checkin"),
