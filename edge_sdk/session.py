@@ -186,6 +186,9 @@ class DeviceSession:
             raise ValueError(f"round_rng must be a callable round id -> rng, got {round_rng!r}")
         self._round_rng = round_rng
         self._random = random_bytes
+        if isinstance(max_packet, bool) or not isinstance(max_packet, int) or max_packet < 1024:
+            raise ValueError(f"max_packet must be an integer >= 1024 bytes (a signed part of "
+                             f"the masked upload), got {max_packet!r}")
         self._max_packet = max_packet
         self._params: list[np.ndarray] | None = None
         self._version = -1

@@ -134,17 +134,17 @@ def test_a_flooding_device_is_quarantined_and_the_round_goes_on(
     m.take_events()
     flooder = m.current_plan.cohort[-1]
     chunk = next(p for n, t, p in reversed(fleet.broker.sent)
-                 if n == flooder and t.endswith("/up/chunk"))
+                 if n == flooder and t.endswith("/up/masked_part"))
     before = m.snapshot()
     # within its burst (less what it sent in the round so far, all at t = 0): each rejected
     # (an upload chunk in the unmask stage), nothing changes
     for _ in range(FloodLimits().burst // 2):
-        fleet.broker.publish(flooder, Publish(wire.device_up_topic(FLEET, flooder, "chunk"),
+        fleet.broker.publish(flooder, Publish(wire.device_up_topic(FLEET, flooder, "masked_part"),
                                               chunk))
     fleet.broker.run(fleet.now)
     assert m.quarantined == frozenset() and m.snapshot() == before
     for _ in range(5000):
-        fleet.broker.publish(flooder, Publish(wire.device_up_topic(FLEET, flooder, "chunk"),
+        fleet.broker.publish(flooder, Publish(wire.device_up_topic(FLEET, flooder, "masked_part"),
                                               chunk))
     fleet.broker.run(fleet.now)
     ev = m.take_events()

@@ -1248,6 +1248,44 @@ def test_rejections_in_later_stages_change_nothing() -> None:
     np.testing.assert_array_equal(total, ring_sum(list(run.x.values()), cfg.bits, cfg.length))
 
 
+def test_a_masked_upload_in_parts_joins_in_any_order_and_conflicts_change_nothing() -> None:
+    """The masked vector travels as signed masked_part s (no msgpack inside msgpack): the
+    server takes them in any order, counts the device once its last part arrives, and
+    refuses an unsigned, foreign or conflicting part without a trace."""
+    w = World(5)
+    cfg = w.config(bits=32, length=1000)  # 4000 bytes: 7 parts of at most 640
+    run = Stepper(w, cfg, random_inputs(cfg, 9))
+    fwd = run.share(run.advertise())
+    parts = {d: run.clients[d].mask_input(m, run.x[d], max_packet=1024)
+             for d, m in fwd.items()}
+    assert all(len(p) == 7 for p in parts.values())
+    assert sum(len(p.data) for p in parts["d00"]) == 4000  # the raw packed residues
+    order = np.random.default_rng(3).permutation(7)
+    for i in order[:-1]:
+        run.server.receive(decode_message(encode_message(parts["d00"][i])))
+    assert "d00" not in run.server.survivors  # not counted before its last part
+    last = parts["d00"][order[-1]]
+    snap = _Snapshot(run.server)
+    forged_bytes = replace(last, data=bytes(len(last.data)))  # same index, other bytes
+    resigned = _signed_by(w.devices["d00"], replace(last, digest=bytes(32)), cfg)
+    for msg, match in [(forged_bytes, "bad signature"), (resigned, "another upload"),
+                       (replace(last, sig=bytes(64)), "bad signature"),
+                       (_signed_by(w.outsider, replace(last, sender="zz-outsider"), cfg),
+                        "outsider")]:
+        with pytest.raises(RemoteProtocolError, match=match):
+            run.server.receive(msg)
+        assert snap.unchanged()
+    run.server.receive(last)
+    assert "d00" in run.server.survivors
+    with pytest.raises(ReplayedMessage):
+        run.server.receive(last)
+    for d in sorted(parts)[1:]:
+        for p in parts[d]:
+            run.server.receive(p)
+    total = run.unmask(run.server.close_masked_input())
+    np.testing.assert_array_equal(total, ring_sum(list(run.x.values()), cfg.bits, cfg.length))
+
+
 def test_aggregator_cannot_forge_a_neighbours_keys() -> None:
     w = World(6)
     cfg = w.config()

@@ -301,7 +301,8 @@ def test_device_restart_mid_round_neither_double_spends_nor_uploads_twice(
     fleet.settle(until=lambda: len(fleet.machine.history) >= 1 and fleet.machine.stage == "idle")
     o = fleet.machine.history[0]
     assert o.completed and o.survivors.count(name) <= 1
-    chunks_after = [t for s, t, _ in fleet.broker.sent[before:] if s == name and "/up/masked_part" in t]
+    chunks_after = [t for s, t, _ in fleet.broker.sent[before:]
+                    if s == name and "/up/masked_part" in t]
     assert chunks_after == []
     assert [r.plan.round_id for r in fleet.ledgers[name].reservations()] == [key]
     fleet.sessions[name] = old  # its input is the one in the sum

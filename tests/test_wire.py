@@ -383,6 +383,37 @@ def test_encode_refuses_unsigned() -> None:
                        model_version=0))
 
 
+_NAME_CHARS = st.characters(codec="utf-8", exclude_categories=("Cs",))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(st.text(alphabet="ab09_.-", min_size=1, max_size=70),
+                 st.text(_NAME_CHARS, max_size=70)))
+def test_one_naming_rule_for_topics_messages_and_identities(name: str) -> None:
+    """Topics, the schema's Name fields, device identities and the registry accept exactly
+    the same names (plan15 R11: 1-64 of [A-Za-z0-9_.-])."""
+    ok = wire.schema.NAME_PATTERN.fullmatch(name) is not None
+    agg = secagg.AggregatorIdentity.generate(random_bytes=_fixed_bytes("agg"))
+    key = secagg.DeviceIdentity.generate("ok", random_bytes=_fixed_bytes("ok")).enrollment()
+    doc = {"aggregator_key": agg.public_key.hex(),
+           "devices": {name: {"sign_key": key.sign_key.hex(),
+                              "agree_key": key.agree_key.hex()}}}
+    checks = [
+        lambda: wire.check_name("device", name),
+        lambda: secagg.DeviceIdentity.generate(name),
+        lambda: secagg.Registry.from_json(doc),
+        lambda: decode(msgpack.packb({**golden_wire()["checkin"], "from": name}), UP_KINDS),
+    ]
+    for check in checks:
+        try:
+            check()
+            accepted = True
+        except (ValueError, WireError) as e:
+            assert "[A-Za-z0-9_.-]" in str(e)
+            accepted = False
+        assert accepted == ok, (name, check)
+
+
 # ----------------------------------------------------------------------- masked parts
 
 

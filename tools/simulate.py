@@ -135,11 +135,9 @@ def _upload(values: np.ndarray, cfg: SimConfig, rng: np.random.Generator, rnd: i
         q = compress.quantize(values, cfg.quant_levels, rng)
         payload = compress.pack_quantized(q)
         decoded = compress.dequantize(q)
-        encoding = f"qsgd{cfg.quant_levels}"
     else:
         decoded = values.astype("<f4")
         payload = decoded.tobytes()
-        encoding = "f32"
     return (decoded, *_upload_bytes(len(payload), 8, device))
 
 

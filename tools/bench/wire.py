@@ -1,8 +1,8 @@
 """Benchmark 5: bytes per upload for each compression setting vs a float32 FedAvg upload.
 
 Sizes are exact (real encoded messages, not a formula): payload, then the signed
-``masked_part`` framing and the MQTT v5 PUBLISH header (``wire.upload_sizes``). The reference row is the dense float32 update of the same
-model in the same run.
+``masked_part`` framing and the MQTT v5 PUBLISH header (``wire.upload_sizes``). The
+reference row is the dense float32 update of the same model in the same run.
 """
 
 from __future__ import annotations
