@@ -647,7 +647,8 @@ class RoundMachine:
         return set(r.server.pending()) - r.declined - self._quarantine.keys()
 
     def _answered(self, r: _Round) -> int:
-        return len(r.expected - r.declined - self._quarantine.keys() - self._pending(r))
+        return len(r.expected - r.declined - self._quarantine.keys() - self._pending(r)
+                   - r.server.spoiled.keys())  # an upload dropped as inconsistent is none
 
     def _maybe_close(self, now: float) -> list[Publish]:
         r = self._round

@@ -75,7 +75,7 @@ from edge_sdk.secagg import (
     SecAggClient,
 )
 from edge_sdk.wire import schema
-from edge_sdk.wire.chunking import MaskedVector, Reassembler
+from edge_sdk.wire.chunking import MaskedVector, Reassembler, SpoiledUpload
 from edge_sdk.wire.messages import (
     SECAGG_DOWN,
     SECAGG_UP,
@@ -144,6 +144,7 @@ class _Base:
         n = len(config.cohort)
         self._parts = Reassembler(max_pending=n,
                                   max_bytes=n * ((config.length * config.bits + 7) // 8))
+        self._spoiled: dict[str, str] = {}  # device -> why its masked upload was dropped
 
     @property
     def config(self) -> RoundConfig:
@@ -188,14 +189,32 @@ class _Base:
         self._stage = ServerStage.FAILED
         return RoundFailed(f"round {self._cfg.round_id} failed: {reason}")
 
+    @property
+    def spoiled(self) -> Mapping[str, str]:
+        """Devices whose signed parts joined into a vector that contradicts its own digest,
+        with the reason: their upload is dropped (they count as gone from the upload stage)
+        and any further part of theirs is refused."""
+        return dict(self._spoiled)
+
     def _take_part(self, msg: MaskedPart) -> np.ndarray | None:
-        """The sender's masked vector when ``msg`` completes it, else None (admitted first)."""
+        """The sender's masked vector when ``msg`` completes it, else None (admitted first).
+
+        A completed vector that contradicts its digest is not an error of this part alone:
+        the part is accepted (so a replay of the accepted messages reproduces the state) and
+        the device's upload is dropped (:attr:`spoiled`)."""
+        if msg.sender in self._spoiled:
+            raise RemoteProtocolError(f"masked_part from {msg.sender!r}: its upload was "
+                                      f"dropped ({self._spoiled[msg.sender]})")
         if msg.bits != self._cfg.bits or msg.count != self._cfg.length:
             raise RemoteProtocolError(
                 f"masked_part from {msg.sender!r} has {msg.count} values of {msg.bits} bits, "
                 f"the round wants {self._cfg.length} of {self._cfg.bits}"
             )
-        whole: MaskedVector | None = self._parts.add(msg)  # WireError on a conflict
+        try:
+            whole: MaskedVector | None = self._parts.add(msg)  # WireError on a conflict
+        except SpoiledUpload as e:
+            self._spoiled[msg.sender] = str(e)
+            return None
         if whole is None:
             return None
         try:
@@ -248,7 +267,7 @@ class SecAggServer(_Base):
         if self._stage is ServerStage.COLLECT_SHARES:
             return self._u1 - self._sharekeys.keys()
         if self._stage is ServerStage.COLLECT_MASKED:
-            return self._u2 - set(self._u3)
+            return self._u2 - set(self._u3) - self._spoiled.keys()
         if self._stage is ServerStage.COLLECT_UNMASK:
             return frozenset(self._requests) - self._responses.keys()
         return frozenset()

@@ -1286,6 +1286,47 @@ def test_a_masked_upload_in_parts_joins_in_any_order_and_conflicts_change_nothin
     np.testing.assert_array_equal(total, ring_sum(list(run.x.values()), cfg.bits, cfg.length))
 
 
+def test_an_upload_contradicting_its_own_digest_is_dropped_and_replays_alike() -> None:
+    """A device that signs parts whose bytes contradict their digest loses its upload (it
+    counts as gone), further parts of it are refused, the round finishes without it, and a
+    replay of the accepted messages rebuilds the same server."""
+    w = World(5)
+    cfg = w.config(bits=32, length=1000)
+    run = Stepper(w, cfg, random_inputs(cfg, 10))
+    fwd = run.share(run.advertise())
+    log: list[secagg_server.LogEntry] = []
+    for d, m in fwd.items():
+        parts = run.clients[d].mask_input(m, run.x[d], max_packet=1024)
+        if d == "d02":  # the same wrong digest on every part, each validly signed
+            parts = bad = tuple(_signed_by(w.devices[d], replace(p, digest=bytes(32)), cfg)
+                                for p in parts)
+        for p in parts:
+            run.server.receive(p)
+            log.append((secagg_server.RECV, encode_message(p)))
+    assert set(run.server.spoiled) == {"d02"} and "digest" in run.server.spoiled["d02"]
+    assert "d02" not in run.server.survivors and run.server.pending() == frozenset()
+    snap = _Snapshot(run.server)
+    with pytest.raises(RemoteProtocolError, match="dropped"):  # nothing more of d02's
+        run.server.receive(_signed_by(w.devices["d02"], replace(bad[0], part=7, parts=8),
+                                      cfg))
+    assert snap.unchanged()
+    twin = w.server(cfg)
+    twin.replay([*_key_log(run), *log])
+    assert twin.spoiled == run.server.spoiled and twin.survivors == run.server.survivors
+    total = run.unmask(run.server.close_masked_input())
+    want = ring_sum([x for d, x in run.x.items() if d != "d02"], cfg.bits, cfg.length)
+    np.testing.assert_array_equal(total, want)
+
+
+def _key_log(run: Stepper) -> list[secagg_server.LogEntry]:
+    """The key stages of ``run`` as a server log (what it sent, and the two closes)."""
+    out: list[secagg_server.LogEntry] = []
+    for kind, stage in (("advertise_keys", "collect_keys"), ("share_keys", "collect_shares")):
+        out += [(secagg_server.RECV, encode_message(m)) for m in run.sent[kind]]
+        out.append((secagg_server.CLOSE, stage.encode()))
+    return out
+
+
 def test_aggregator_cannot_forge_a_neighbours_keys() -> None:
     w = World(6)
     cfg = w.config()

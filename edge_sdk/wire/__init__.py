@@ -19,12 +19,14 @@ Errors (the whole tree: :mod:`edge_sdk.errors`)::
 
     errors.RemoteProtocolError
      +-- WireError          bytes from a peer that are not a valid message
+          +-- SpoiledUpload a device's signed parts contradict their digest (dropped)
 """
 
 from edge_sdk.wire.chunking import (
     DEFAULT_MAX_PACKET,
     MaskedVector,
     Reassembler,
+    SpoiledUpload,
     split_masked,
     upload_sizes,
 )
@@ -119,6 +121,7 @@ __all__ = [
     "SecAggDown",
     "SecAggUp",
     "ShareKeys",
+    "SpoiledUpload",
     "UnmaskRequest",
     "UnmaskResponse",
     "WireArray",

@@ -23,6 +23,7 @@ __all__ = [
     "PART_FRAMING",
     "MaskedVector",
     "Reassembler",
+    "SpoiledUpload",
     "split_masked",
     "upload_sizes",
 ]
@@ -33,6 +34,12 @@ PART_FRAMING = 384
 """Bytes of a ``masked_part`` around its data, at most: the envelope's keys, a 64-character
 device name, five integers (<= 9 bytes each), the 32-byte digest, the 64-byte signature and
 the bin header come to about 270; the rest is margin (tests check every part fits)."""
+
+
+class SpoiledUpload(WireError):
+    """A device's parts, each consistent with the others, joined into bytes that do not match
+    their own announced digest: the device signed an inconsistent upload. Unlike the other
+    :class:`Reassembler` errors, the state has changed: the upload is dropped."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -134,9 +141,10 @@ class Reassembler:
         """Take one part; return the whole vector the first time it completes, else None.
 
         Raises:
-            WireError: the part conflicts with what is held, completes a vector whose
-                digest is wrong (the upload is dropped), or would exceed the memory bounds.
-                Nothing changes in any case but the digest mismatch.
+            SpoiledUpload: the part completes a vector whose digest is wrong (the upload
+                is dropped).
+            WireError: the part conflicts with what is held, or would exceed the memory
+                bounds; nothing changes.
         """
         key = (part.round_id, part.sender)
         who = f"part {part.part} of {part.sender!r} round {part.round_id}"
@@ -172,7 +180,7 @@ class Reassembler:
         self._bytes -= p.size
         data = b"".join(p.held[i] for i in range(p.parts))
         if len(data) != (p.count * p.bits + 7) // 8 or hashlib.sha256(data).digest() != p.digest:
-            raise WireError(f"upload of {part.sender!r} round {part.round_id} does not match "
+            raise SpoiledUpload(f"upload of {part.sender!r} round {part.round_id} does not match "
                             f"its announced size/digest; dropped")
         self._done[key] = p.digest
         return MaskedVector(round_id=part.round_id, sender=part.sender, bits=p.bits,

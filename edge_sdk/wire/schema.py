@@ -1,6 +1,6 @@
 """The declarative wire schema: one envelope, one naming rule, one decoder with caps, one
 signature rule, from which every message's encode, decode, validation and signed bytes are
-generated (issue 15, plan15 §3.4; step D2 moves every message onto it).
+generated (issue 15, plan15 §3.4); :mod:`edge_sdk.wire.messages` declares every kind on it.
 
 A message is a frozen, keyword-only, slotted dataclass that subclasses :class:`Message`,
 whose fields are declared with the field types below, under :func:`message`::
@@ -104,7 +104,8 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 4
-"""The envelope's ``"v"``: the protocol the schema speaks (D2 moves the wire to it)."""
+"""The envelope's ``"v"``: the one protocol version of every message (4: issue 15's one
+schema; devices and the aggregator are upgraded together)."""
 SIGNING_LABEL = b"fedge/wire/v4/sig"
 """Prefix of every signed byte string (domain separation from every other Ed25519 use)."""
 SIG_BYTES = 64

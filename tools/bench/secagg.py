@@ -33,7 +33,8 @@ Timings (``time.perf_counter``, single process, best of ``reps`` where repeated)
 * ``bytes_up_per_client``: the exact msgpack bytes the representative device sends in the
   round (advertise + sealed shares + masked input + unmask answer; MQTT framing, about 30
   bytes per message, not included). ``bytes_vector`` = ceil(d * b / 8) is the packed
-  vector alone; ``bytes_masked_input`` is that message.
+  vector alone; ``bytes_masked_input`` is the masked upload (its signed ``masked_part``
+  messages).
 """
 
 from __future__ import annotations
