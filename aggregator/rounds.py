@@ -6,7 +6,7 @@ One :class:`RoundMachine` runs a fleet's rounds (DESIGN, "One round, as data flo
                     uniformly (rng seeded by (policy.seed, round id)) and send the plan
     COLLECT_KEYS    AdvertiseKeys          -> close_advertise()    -> NeighbourKeys
     COLLECT_SHARES  ShareKeys              -> close_share_keys()   -> ForwardedShares
-    COLLECT_MASKED  MaskedInput (chunked)  -> close_masked_input() -> UnmaskRequest
+    COLLECT_MASKED  MaskedPart s           -> close_masked_input() -> UnmaskRequest
     COLLECT_UNMASK  UnmaskResponse         -> finalize(): decode the sum, server optimizer,
                                               publish the new model (retained) -> IDLE
 
@@ -91,17 +91,17 @@ from edge_sdk.errors import (
 )
 from edge_sdk.fixedpoint import FixedPoint
 from edge_sdk.hazmat import graph
-from edge_sdk.mechanisms.gaussian import Gaussian, GaussianParams
-from edge_sdk.secagg import AggregatorIdentity, Registry, messages
+from edge_sdk.mechanisms.gaussian import Gaussian, GaussianRound
+from edge_sdk.secagg import AggregatorIdentity, Registry, RoundConfig
 from edge_sdk.wire import (
     CheckIn,
     Decline,
     ErrorNotice,
+    GaussianParams,
     ModelUpdate,
     Publish,
     RoundPlan,
-    SecAggPacket,
-    UploadChunk,
+    SecAggUp,
     WireArray,
 )
 
@@ -127,7 +127,7 @@ __all__ = [
 logger = logging.getLogger("aggregator.rounds")
 
 SNAPSHOT_FORMAT = "fedge-rounds"
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2  # 2: protocol 4 (masked parts replayed by the server; no reassembler)
 _HISTORY = 32  # outcomes kept (the snapshot stays bounded over a long-lived fleet)
 _RESENDS = 3  # re-sends of a stage's requests, at 1/4, 2/4 and 3/4 of its timeout
 _EVENTS = 4096  # events kept for a driver that does not take them (oldest dropped)
@@ -410,7 +410,6 @@ class _Round:
     declined: set[str]
     log: list[tuple[str, bytes]]
     outbox: list[Publish]
-    reassembler: wire.Reassembler
     next_resend: float = math.inf
     resends: int = 0
 
@@ -715,16 +714,15 @@ class RoundMachine:
             logger.info("%s status %r%s", device, status,
                         " (its check-in is withdrawn)" if removed else "")
             return []
-        msg = wire.decode(payload)
+        msg = wire.decode(payload, wire.UP_KINDS)
         if msg.KIND != kind:
             raise RemoteProtocolError(f"a {msg.KIND} message on the {kind!r} topic")
-        if not isinstance(msg, CheckIn | Decline | SecAggPacket | UploadChunk):
-            raise RemoteProtocolError(f"the aggregator does not accept {msg.KIND} messages")
-        if msg.device != device:
-            raise RemoteProtocolError(f"{msg.KIND} names device {msg.device!r} "
+        if msg.sender != device:  # type: ignore[attr-defined]
+            raise RemoteProtocolError(f"{msg.KIND} names device "
+                                      f"{msg.sender!r} "  # type: ignore[attr-defined]
                                       f"but came on {device!r}'s topic")
         if isinstance(msg, CheckIn):
-            wire.verify(msg, self._reg, device)
+            self._reg.verify_message(msg)
             self._available[device] = msg
             return self._maybe_start(now)
         r = self._round
@@ -736,7 +734,7 @@ class RoundMachine:
             raise RemoteProtocolError(f"{msg.KIND} from {device!r}, not in round "
                                       f"{r.plan.round_id}'s cohort")
         if isinstance(msg, Decline):
-            wire.verify(msg, self._reg, device)
+            self._reg.verify_message(msg)
             if device in r.declined:
                 raise ReplayedMessage(f"decline from {device!r} already recorded")
             r.declined.add(device)
@@ -746,50 +744,15 @@ class RoundMachine:
                         extra={"fedge": {"event": "declined", "device": device,
                                          "round": r.plan.round_id, "reason": msg.reason}})
             return self._maybe_close(now)
-        if isinstance(msg, SecAggPacket):
-            inner = msg.message()
-            if isinstance(inner, messages.MaskedInput):
-                raise RemoteProtocolError("masked_input must come in upload chunks")
-            return self._accept(inner, now)
-        return self._chunk(msg, now)
+        return self._accept(msg, now)  # type: ignore[arg-type]  (a SecAgg kind)
 
-    def _chunk(self, chunk: UploadChunk, now: float) -> list[Publish]:
-        r = self._round
-        assert r is not None
-        if r.stage is not ServerStage.COLLECT_MASKED:
-            raise RemoteProtocolError(f"upload chunk from {chunk.device!r} in stage "
-                                      f"{r.stage.value}")
-        if chunk.device not in r.expected:
-            raise RemoteProtocolError(f"upload chunk from {chunk.device!r}, which is not "
-                                      f"expected to upload")
-        limit = (r.plan.length * r.plan.bits + 7) // 8 + 1024  # the masked vector + framing
-        if chunk.size > limit:
-            raise RemoteProtocolError(f"upload of {chunk.size} bytes from {chunk.device!r}; "
-                                      f"a masked input of this round takes at most {limit}")
-        data = r.reassembler.add(chunk)
-        if data is None:
-            if chunk.device in r.server.survivors:  # nothing changed; say why
-                raise ReplayedMessage(f"upload chunk {chunk.index} of {chunk.device!r}: its "
-                                      f"upload is already accepted")
-            return []
-        try:
-            inner = messages.decode_message(data)
-            if not isinstance(inner, messages.MaskedInput) or inner.sender != chunk.device:
-                raise RemoteProtocolError(f"the upload of {chunk.device!r} is not its "
-                                          f"masked_input")
-            return self._accept(inner, now)
-        except RemoteProtocolError:
-            # a rejected upload leaves no trace: the state is as before its first chunk
-            r.reassembler.forget(chunk.round_id, chunk.device)
-            raise
-
-    def _accept(self, msg: messages.Message, now: float) -> list[Publish]:
+    def _accept(self, msg: SecAggUp, now: float) -> list[Publish]:
         r = self._round
         assert r is not None
         if msg.round_id != r.plan.round_id:
             raise RemoteProtocolError(f"{msg.KIND} for round {msg.round_id}")
         r.server.receive(msg)  # raises before any change
-        r.log.append((RECV, messages.encode_message(msg)))
+        r.log.append((RECV, wire.encode(msg)))
         return self._maybe_close(now)
 
     # ------------------------------------------------------------------ stages
@@ -798,7 +761,8 @@ class RoundMachine:
         return set(r.server.pending()) - r.declined - self._quarantine.keys()
 
     def _answered(self, r: _Round) -> int:
-        return len(r.expected - r.declined - self._quarantine.keys() - self._pending(r))
+        return len(r.expected - r.declined - self._quarantine.keys() - self._pending(r)
+                   - r.server.spoiled.keys())  # an upload dropped as inconsistent is none
 
     def _maybe_close(self, now: float) -> list[Publish]:
         r = self._round
@@ -829,8 +793,8 @@ class RoundMachine:
         r.next_resend = now + self._resend_every()
         r.resends = 0
         fleet = self.policy.fleet
-        r.outbox = [Publish(wire.device_down_topic(fleet, dev, "secagg"),
-                            wire.encode(SecAggPacket.wrap(m))) for dev, m in sorted(out.items())]
+        r.outbox = [Publish(wire.device_down_topic(fleet, dev, m.KIND), wire.encode(m))
+                    for dev, m in sorted(out.items())]
         self._events.append(StageChanged(round_id=r.plan.round_id, stage=r.stage.value,
                                          prev=prev.value))
         logger.info("round %d: %s closed (%s), %d devices go on", r.plan.round_id,
@@ -850,9 +814,9 @@ class RoundMachine:
         survivors = r.server.survivors
         plan = r.plan
         d = self.dimension
-        coords = (None if plan.sparsity == 1.0
+        coords = (None if plan.params.sparsity == 1.0
                   else compress.coordinate_set(plan.round_seed, d, plan.length))
-        server = Gaussian().server(GaussianParams.from_plan(plan, dim=d))
+        server = Gaussian().server(GaussianRound.from_plan(plan, dim=d))
         delta, _ = server.decode(total, len(survivors), server.init(self._params),
                                  coords=coords)
         params, state = self._opt.update(delta, self._opt_state, self._params)
@@ -890,7 +854,7 @@ class RoundMachine:
         self._startable_since = None
         out = [
             Publish(wire.device_down_topic(self.policy.fleet, dev, "error"),
-                    wire.encode(wire.sign(ErrorNotice(round_id=plan.round_id, device=dev,
+                    wire.encode(wire.sign(ErrorNotice(round_id=plan.round_id, recipient=dev,
                                                       code="round_failed",
                                                       detail=reason[:256]), self._idn)))
             for dev in plan.cohort if dev not in r.declined
@@ -945,25 +909,27 @@ class RoundMachine:
         d = self.dimension
         k = d if pol.sparsity == 1.0 else compress.kept_count(d, pol.sparsity)
         degree = pol.config_degree(n)
-        plan = wire.sign(RoundPlan(
-            round_id=round_id, model_version=self._version, cohort=cohort, steps=pol.steps,
-            batch_size=pol.batch_size, lr=float(pol.lr), sampling=pol.sampling,
-            clip=float(pol.clip), noise_multiplier=float(pol.noise_multiplier),
-            sparsity=float(pol.sparsity), round_seed=round_seed,
+        params = GaussianParams(
+            steps=pol.steps, batch_size=pol.batch_size, lr=float(pol.lr),
+            sampling=pol.sampling, clip=float(pol.clip),
+            noise_multiplier=float(pol.noise_multiplier), sparsity=float(pol.sparsity),
             quant_levels=pol.quant_levels, scale=float(pol.fixed_point_scale()),
-            value_bound=float(pol.value_bound), bits=pol.bits, length=k,
-            nonce=nonce, degree=degree, threshold=pol.config_threshold(degree),
-            min_survivors=pol.survivors_needed(n), max_colluders=pol.max_colluders,
-            stage_timeout=float(pol.stage_timeout),
+            value_bound=float(pol.value_bound))
+        plan = wire.sign(RoundPlan(
+            round_id=round_id, model_version=self._version, cohort=cohort,
+            mechanism="gaussian", params=params, round_seed=round_seed, bits=pol.bits,
+            length=k, nonce=nonce, degree=degree,
+            threshold=pol.config_threshold(degree), min_survivors=pol.survivors_needed(n),
+            max_colluders=pol.max_colluders, stage_timeout=float(pol.stage_timeout),
         ), self._idn)
-        server = SecAggServer(identity=self._idn, registry=self._reg, config=plan.round_config())
+        server = SecAggServer(identity=self._idn, registry=self._reg,
+                              config=RoundConfig.of_plan(plan))
         payload = wire.encode(plan)
         outbox = [Publish(wire.device_down_topic(pol.fleet, dev, "plan"), payload)
                   for dev in cohort]
         self._round = _Round(plan=plan, server=server, stage=server.stage,
                              deadline=now + pol.stage_timeout, expected=set(cohort),
                              declined=set(), log=[], outbox=outbox,
-                             reassembler=wire.Reassembler(max_pending=n),
                              next_resend=now + self._resend_every())
         self._last_round = round_id
         for dev in cohort:  # they check in again when the round is over
@@ -1022,7 +988,6 @@ class RoundMachine:
                 "declined": sorted(r.declined),
                 "log": [[op, data] for op, data in r.log],
                 "outbox": [[p.topic, p.payload, p.retain] for p in r.outbox],
-                "reassembler": r.reassembler.to_state(),
             },
         }
         return msgpack.packb(state, use_bin_type=True)
@@ -1075,10 +1040,10 @@ class RoundMachine:
         if s["aggregator_key"] != identity.public_key:
             raise SnapshotError("the snapshot was taken by another aggregator identity")
         lim = wire.LIMITS
-        params = [WireArray.from_wire("snapshot", a, lim).to_numpy() for a in s["params"]]
+        params = [WireArray.from_wire(a, lim).to_numpy() for a in s["params"]]
         m = cls(policy=policy, identity=identity, registry=registry, params=params,
                 random_bytes=random_bytes, checkpoint=checkpoint)
-        leaves = [WireArray.from_wire("snapshot", a, lim).to_numpy() for a in s["opt_state"]]
+        leaves = [WireArray.from_wire(a, lim).to_numpy() for a in s["opt_state"]]
         m._opt_state = _tree_rebuild(m._opt.init(m._params), leaves)
         if leaves:
             raise SnapshotError("optimizer state has more leaves than the optimizer")
@@ -1086,14 +1051,14 @@ class RoundMachine:
         m._last_round = s["last_round"]
         m._available = {}
         for raw in s["available"]:
-            c = wire.decode(raw)
+            c = wire.decode(raw, wire.UP_KINDS)
             assert isinstance(c, CheckIn)
-            m._available[c.device] = c
+            m._available[c.sender] = c
         m._startable_since = s["startable_since"]
         m._history = [
             RoundOutcome(round_id=h[0], completed=h[1], survivors=tuple(h[2]), detail=h[3],
                          total=None if h[4] is None else
-                         WireArray.from_wire("snapshot", h[4], lim).to_numpy(),
+                         WireArray.from_wire(h[4], lim).to_numpy(),
                          model_version=h[5], uploaded=tuple(h[6]) if len(h) > 6 else ())
             for h in s["history"]
         ]
@@ -1104,21 +1069,18 @@ class RoundMachine:
         m._model_msg = m._sign_model(m._model_round)
         rs = s["round"]
         if rs is not None:
-            plan = wire.decode(rs["plan"])
+            plan = wire.decode(rs["plan"], wire.DOWN_KINDS)
             assert isinstance(plan, RoundPlan)
             server = SecAggServer(identity=identity, registry=registry,
-                                  config=plan.round_config())
+                                  config=RoundConfig.of_plan(plan))
             log = [(op, bytes(b)) for op, b in rs["log"]]
             server.replay(log)  # deterministic, so the same state bit for bit
             if server.stage.value != rs["stage"]:
                 raise SnapshotError(f"replaying the round's log ends in {server.stage.value}, "
                                     f"the snapshot says {rs['stage']}")
-            reassembler = wire.Reassembler(max_pending=len(plan.cohort))
-            reassembler.load_state(rs["reassembler"])
             m._round = _Round(
                 plan=plan, server=server, stage=server.stage, deadline=rs["deadline"],
                 expected=set(rs["expected"]), declined=set(rs["declined"]), log=log,
-                outbox=[Publish(t, bytes(p), bool(k)) for t, p, k in rs["outbox"]],
-                reassembler=reassembler)
+                outbox=[Publish(t, bytes(p), bool(k)) for t, p, k in rs["outbox"]])
         m._restored = True
         return m

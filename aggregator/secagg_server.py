@@ -17,7 +17,7 @@ Stages (Bonawitz et al. 2017 Fig. 4 with SecAgg+ neighbourhoods, Bell et al. 202
 
     COLLECT_KEYS    receive AdvertiseKeys   -> close_advertise()    -> NeighbourKeys per device
     COLLECT_SHARES  receive ShareKeys       -> close_share_keys()   -> ForwardedShares per device
-    COLLECT_MASKED  receive MaskedInput     -> close_masked_input() -> UnmaskRequest per survivor
+    COLLECT_MASKED  receive MaskedPart s    -> close_masked_input() -> UnmaskRequest per survivor
     COLLECT_UNMASK  receive UnmaskResponse  -> recover(); finalize() -> the sum mod 2^b
     DONE | FAILED
 
@@ -45,13 +45,16 @@ component's sum, as in SecAgg+; the random k-regular graph makes that unlikely.)
 uploads, then, if devices dropped, one reveal round; see ``edge_sdk.secagg`` for its
 weaker dropout story. :func:`run_round` and :func:`run_amortized_round` drive both ends
 through msgpack bytes in memory (the simulator's and the tests' transport).
+
+A masked upload arrives as signed ``masked_part`` s (``edge_sdk.wire.chunking``); the
+server checks each part's signature, joins the raw residue bytes and adds the vector to
+the sum when its last part arrives.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
 from typing import Any, Literal, TypeAlias
 
 import numpy as np
@@ -71,19 +74,22 @@ from edge_sdk.secagg import (
     RoundConfig,
     SecAggClient,
 )
-from edge_sdk.secagg.messages import (
+from edge_sdk.wire import schema
+from edge_sdk.wire.chunking import MaskedVector, Reassembler, SpoiledUpload
+from edge_sdk.wire.messages import (
+    SECAGG_DOWN,
+    SECAGG_UP,
     AdvertiseKeys,
     ForwardedShares,
-    MaskedInput,
-    Message,
+    MaskedPart,
     NeighbourKeys,
     RevealRequest,
     RevealResponse,
+    SecAggDown,
+    SecAggUp,
     ShareKeys,
     UnmaskRequest,
     UnmaskResponse,
-    decode_message,
-    encode_message,
 )
 
 __all__ = [
@@ -103,7 +109,7 @@ RECV = "recv"
 CLOSE = "close"
 LogEntry: TypeAlias = tuple[str, bytes]
 """One entry of a server's input log (:meth:`SecAggServer.replay`): ``(RECV, the accepted
-message's encode_message bytes)`` or ``(CLOSE, the closed stage's value, UTF-8)``."""
+message's ``wire.encode`` bytes)`` or ``(CLOSE, the closed stage's value, UTF-8)``."""
 
 
 class ServerStage(enum.Enum):
@@ -134,7 +140,11 @@ class _Base:
         self._digest = config.digest()
         self._graph = config.graph()
         self._stage = ServerStage.COLLECT_KEYS
-        self._seen: dict[tuple[str, str], Message] = {}
+        self._seen: dict[tuple[str, str, int], SecAggUp] = {}
+        n = len(config.cohort)
+        self._parts = Reassembler(max_pending=n,
+                                  max_bytes=n * ((config.length * config.bits + 7) // 8))
+        self._spoiled: dict[str, str] = {}  # device -> why its masked upload was dropped
 
     @property
     def config(self) -> RoundConfig:
@@ -145,7 +155,7 @@ class _Base:
         return self._stage
 
     def _sign(self, msg: Any) -> Any:
-        return replace(msg, sig=self._idn.sign(msg.signing_bytes(self._digest)))
+        return schema.sign(msg, self._idn, context=self._digest)
 
     def _admit(self, msg: Any, stage: ServerStage, allowed: Iterable[str]) -> None:
         """Round, sender, duplicate and signature checks; raises before any state change."""
@@ -156,7 +166,7 @@ class _Base:
         sender = msg.sender
         if sender not in self._reg.devices or sender not in self._cfg.cohort:
             raise RemoteProtocolError(f"{msg.KIND} from outsider {sender!r}")
-        prior = self._seen.get((msg.KIND, sender))
+        prior = self._seen.get(_seen_key(msg))
         if prior is not None:
             if prior == msg:
                 raise ReplayedMessage(f"{msg.KIND} from {sender!r} already accepted")
@@ -179,16 +189,43 @@ class _Base:
         self._stage = ServerStage.FAILED
         return RoundFailed(f"round {self._cfg.round_id} failed: {reason}")
 
-    def _check_masked(self, msg: MaskedInput) -> np.ndarray:
+    @property
+    def spoiled(self) -> Mapping[str, str]:
+        """Devices whose signed parts joined into a vector that contradicts its own digest,
+        with the reason: their upload is dropped (they count as gone from the upload stage)
+        and any further part of theirs is refused."""
+        return dict(self._spoiled)
+
+    def _take_part(self, msg: MaskedPart) -> np.ndarray | None:
+        """The sender's masked vector when ``msg`` completes it, else None (admitted first).
+
+        A completed vector that contradicts its digest is not an error of this part alone:
+        the part is accepted (so a replay of the accepted messages reproduces the state) and
+        the device's upload is dropped (:attr:`spoiled`)."""
+        if msg.sender in self._spoiled:
+            raise RemoteProtocolError(f"masked_part from {msg.sender!r}: its upload was "
+                                      f"dropped ({self._spoiled[msg.sender]})")
         if msg.bits != self._cfg.bits or msg.count != self._cfg.length:
             raise RemoteProtocolError(
-                f"masked_input from {msg.sender!r} has {msg.count} values of {msg.bits} bits, "
+                f"masked_part from {msg.sender!r} has {msg.count} values of {msg.bits} bits, "
                 f"the round wants {self._cfg.length} of {self._cfg.bits}"
             )
         try:
-            return Ring(bits=msg.bits).unpack(msg.payload_bytes, msg.count)
+            whole: MaskedVector | None = self._parts.add(msg)  # WireError on a conflict
+        except SpoiledUpload as e:
+            self._spoiled[msg.sender] = str(e)
+            return None
+        if whole is None:
+            return None
+        try:
+            return Ring(bits=whole.bits).unpack(whole.data, whole.count)
         except ValueError as e:
-            raise RemoteProtocolError(f"masked_input from {msg.sender!r}: {e}") from None
+            raise RemoteProtocolError(f"masked upload of {msg.sender!r}: {e}") from None
+
+
+def _seen_key(msg: SecAggUp) -> tuple[str, str, int]:
+    """Duplicates are per kind and sender, and per part for the masked upload."""
+    return (msg.KIND, msg.sender, msg.part if isinstance(msg, MaskedPart) else 0)
 
 
 class SecAggServer(_Base):
@@ -230,12 +267,12 @@ class SecAggServer(_Base):
         if self._stage is ServerStage.COLLECT_SHARES:
             return self._u1 - self._sharekeys.keys()
         if self._stage is ServerStage.COLLECT_MASKED:
-            return self._u2 - set(self._u3)
+            return self._u2 - set(self._u3) - self._spoiled.keys()
         if self._stage is ServerStage.COLLECT_UNMASK:
             return frozenset(self._requests) - self._responses.keys()
         return frozenset()
 
-    def close_stage(self) -> dict[str, Message]:
+    def close_stage(self) -> dict[str, SecAggDown]:
         """Close the open key or upload stage (:meth:`close_advertise`,
         :meth:`close_share_keys` or :meth:`close_masked_input`, by :attr:`stage`) and
         return the messages to send, by recipient. The unmask stage ends with
@@ -269,7 +306,7 @@ class SecAggServer(_Base):
         """
         for op, data in log:
             if op == RECV:
-                self.receive(decode_message(data))
+                self.receive(_decode_up(data))
             elif op == CLOSE:
                 if bytes(data).decode() != self._stage.value:
                     raise LocalProtocolError(
@@ -280,7 +317,7 @@ class SecAggServer(_Base):
             else:
                 raise LocalProtocolError(f"log entries are {RECV!r} or {CLOSE!r}, got {op!r}")
 
-    def receive(self, msg: Message) -> None:
+    def receive(self, msg: SecAggUp) -> None:
         """Accept one device message, or raise and change nothing.
 
         Raises:
@@ -301,18 +338,19 @@ class SecAggServer(_Base):
             self._admit(msg, ServerStage.COLLECT_SHARES, self._u1)
             self._check_share_keys(msg)
             self._sharekeys[msg.sender] = msg
-        elif isinstance(msg, MaskedInput):
+        elif isinstance(msg, MaskedPart):
             self._admit(msg, ServerStage.COLLECT_MASKED, self._u2)
-            y = self._check_masked(msg)
-            np.add(self._sum, y, out=self._sum)
-            self._u3.append(msg.sender)
+            y = self._take_part(msg)
+            if y is not None:
+                np.add(self._sum, y, out=self._sum)
+                self._u3.append(msg.sender)
         elif isinstance(msg, UnmaskResponse):
             self._admit(msg, ServerStage.COLLECT_UNMASK, self._requests)
             self._check_response(msg)
             self._responses[msg.sender] = msg
         else:
             raise RemoteProtocolError(f"the aggregator does not accept {type(msg).__name__}")
-        self._seen[(msg.KIND, msg.sender)] = msg
+        self._seen[_seen_key(msg)] = msg
 
     def _check_share_keys(self, msg: ShareKeys) -> None:
         u = msg.sender
@@ -537,7 +575,7 @@ def _public(key: X25519PrivateKey) -> bytes:
 class AmortizedSecAggServer(_Base):
     """The aggregator's side of the amortized variant (zCDP paper Fig. 2, eq. (9)).
 
-    ``receive(MaskedInput)`` from the cohort; ``close_masked_input()`` returns reveal
+    ``receive(MaskedPart)`` from the cohort; ``close_masked_input()`` returns reveal
     requests for survivors with dropped neighbours (empty when nobody dropped);
     ``receive(RevealResponse)``; ``finalize()``. Every survivor asked must answer: only
     the two endpoints know a pairwise round seed, so there is no threshold redundancy.
@@ -559,13 +597,14 @@ class AmortizedSecAggServer(_Base):
     def survivors(self) -> tuple[str, ...]:
         return tuple(sorted(self._u3))
 
-    def receive(self, msg: Message) -> None:
+    def receive(self, msg: SecAggUp) -> None:
         """Accept one device message, or raise (RemoteProtocolError) and change nothing."""
-        if isinstance(msg, MaskedInput):
+        if isinstance(msg, MaskedPart):
             self._admit(msg, ServerStage.COLLECT_MASKED, self._cfg.cohort)
-            y = self._check_masked(msg)
-            np.add(self._sum, y, out=self._sum)
-            self._u3.append(msg.sender)
+            y = self._take_part(msg)
+            if y is not None:
+                np.add(self._sum, y, out=self._sum)
+                self._u3.append(msg.sender)
         elif isinstance(msg, RevealResponse):
             self._admit(msg, ServerStage.COLLECT_UNMASK, self._requests)
             if [p for p, _ in msg.seeds] != list(self._requests[msg.sender].dropped):
@@ -575,7 +614,7 @@ class AmortizedSecAggServer(_Base):
             self._responses[msg.sender] = msg
         else:
             raise RemoteProtocolError(f"the aggregator does not accept {type(msg).__name__}")
-        self._seen[(msg.KIND, msg.sender)] = msg
+        self._seen[_seen_key(msg)] = msg
 
     def close_masked_input(self) -> dict[str, RevealRequest]:
         """Fix the survivors; ask those with dropped neighbours for this round's seeds.
@@ -636,9 +675,17 @@ DropStage: TypeAlias = Literal["advertise", "share_keys", "masked_input", "unmas
 _STAGES: tuple[DropStage, ...] = ("advertise", "share_keys", "masked_input", "unmask")
 
 
-def _hop(msg: Message) -> Message:
+def _decode_up(data: bytes) -> SecAggUp:
+    return schema.decode(data, SECAGG_UP)  # type: ignore[return-value]
+
+
+def _hop(msg: SecAggDown) -> SecAggDown:
     """One trip over the (in-memory) wire: encode, then decode and validate."""
-    return decode_message(encode_message(msg))
+    return schema.decode(schema.encode(msg), SECAGG_DOWN)  # type: ignore[return-value]
+
+
+def _hop_up(msg: SecAggUp) -> SecAggUp:
+    return _decode_up(schema.encode(msg))
 
 
 def run_round(
@@ -678,11 +725,12 @@ def run_round(
         s = drops.get(dev)
         return s is None or _STAGES.index(s) > _STAGES.index(stage)
 
-    def send(dev: str, msg: Message) -> None:
-        data = encode_message(msg)
-        if on_message is not None:
-            on_message(dev, data)
-        server.receive(decode_message(data))
+    def send(dev: str, msgs: SecAggUp | tuple[MaskedPart, ...]) -> None:
+        for msg in msgs if isinstance(msgs, tuple) else (msgs,):
+            data = schema.encode(msg)
+            if on_message is not None:
+                on_message(dev, data)
+            server.receive(_decode_up(data))
 
     for dev, c in sorted(clients.items()):
         if alive(dev, "advertise"):
@@ -713,8 +761,9 @@ def run_amortized_round(
     get = inputs if callable(inputs) else inputs.__getitem__
     for dev, c in sorted(clients.items()):
         if drops.get(dev) != "masked_input":
-            server.receive(_hop(c.mask_input(get(dev))))
+            for part in c.mask_input(get(dev)):
+                server.receive(_hop_up(part))
     for dev, m in server.close_masked_input().items():
         if dev in clients and drops.get(dev) is None:
-            server.receive(_hop(clients[dev].reveal(_hop(m))))  # type: ignore[arg-type]
+            server.receive(_hop_up(clients[dev].reveal(_hop(m))))  # type: ignore[arg-type]
     return server.finalize()

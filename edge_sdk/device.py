@@ -157,8 +157,9 @@ class DeviceConfig:
                               f"got {self.max_colluders!r}")
         if (self.model is None) == (self.manifest is None):
             raise ConfigError("give exactly one of 'model' (a zoo name) and 'manifest'")
-        if not isinstance(self.max_packet, int) or self.max_packet < 512:
-            raise ConfigError(f"max_packet must be an integer >= 512, got {self.max_packet!r}")
+        if not isinstance(self.max_packet, int) or self.max_packet < 1024:
+            raise ConfigError(f"max_packet must be an integer >= 1024 (a signed part of the "
+                              f"masked upload), got {self.max_packet!r}")
 
     @property
     def mqtt_username(self) -> str:

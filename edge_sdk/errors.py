@@ -11,6 +11,8 @@ more than one module raises)::
      |    |                           signature, outsider, wrong round or stage); no
      |    |                           state changed                          (errors)
      |    +-- WireError               bytes that are not a valid message     (wire)
+     |    |    +-- SpoiledUpload      a device's signed parts contradict their own
+     |    |                           digest; its upload is dropped          (wire)
      |    +-- ReplayedMessage         an exact copy of an accepted message   (errors)
      |    +-- UnmaskRefused           the aggregator asked for what this device must
      |                                not reveal                             (errors)

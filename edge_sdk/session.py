@@ -88,18 +88,23 @@ from edge_sdk.csprng import RoundRng
 from edge_sdk.engine import Engine
 from edge_sdk.errors import RemoteProtocolError
 from edge_sdk.ledger import BudgetExhausted, Ledger, LedgerError, Plan, Reservation
-from edge_sdk.mechanisms.gaussian import Gaussian, GaussianParams
+from edge_sdk.mechanisms.gaussian import Gaussian, GaussianRound
 from edge_sdk.model import ModelSpec
-from edge_sdk.secagg import DeviceIdentity, Registry, SecAggClient, messages
+from edge_sdk.secagg import DeviceIdentity, Registry, RoundConfig, SecAggClient
 from edge_sdk.train import TrainingDiverged
 from edge_sdk.wire import (
     CheckIn,
     Decline,
     ErrorNotice,
+    ForwardedShares,
+    MaskedPart,
     ModelUpdate,
+    NeighbourKeys,
     Publish,
     RoundPlan,
-    SecAggPacket,
+    SecAggDown,
+    SecAggUp,
+    UnmaskRequest,
 )
 
 __all__ = [
@@ -289,9 +294,13 @@ class DeviceSession:
             raise ValueError(f"round_rng must be a callable round id -> rng, got {round_rng!r}")
         self._round_rng = round_rng
         self._random = random_bytes
+        if isinstance(max_packet, bool) or not isinstance(max_packet, int) or max_packet < 1024:
+            raise ValueError(f"max_packet must be an integer >= 1024 bytes (a signed part of "
+                             f"the masked upload), got {max_packet!r}")
         self._max_packet = max_packet
         self._params: list[np.ndarray] | None = None
         self._version = -1
+        self._last_round = 0  # the last round this device took part in (its check-ins say)
         self._round: _Round | None = None
         self._inputs: dict[int, np.ndarray] = {}
         self._checkin_every = checkin_every
@@ -362,7 +371,7 @@ class DeviceSession:
 
     def _handle(self, topic: str, payload: bytes, now: float) -> list[Publish]:
         if topic == wire.model_topic(self.fleet):
-            msg = wire.decode(payload)
+            msg = wire.decode(payload, wire.MODEL_KINDS)
             if not isinstance(msg, ModelUpdate):
                 raise RemoteProtocolError(f"a {msg.KIND} message on the model topic")
             return self._on_model(msg, now)
@@ -370,17 +379,17 @@ class DeviceSession:
         if not topic.startswith(prefix):
             raise RemoteProtocolError("not a topic of this device")
         kind = topic[len(prefix):]
-        msg = wire.decode(payload)
+        msg = wire.decode(payload, wire.DOWN_KINDS)
         if msg.KIND != kind:
             raise RemoteProtocolError(f"a {msg.KIND} message on the {kind!r} topic")
-        if not isinstance(msg, RoundPlan) and msg.device != self.device:  # type: ignore[union-attr]
+        if msg.PARTY == "to" and msg.recipient != self.device:  # type: ignore[attr-defined]
             raise RemoteProtocolError(f"{msg.KIND} is addressed to another device")
         if isinstance(msg, RoundPlan):
             return self._on_plan(msg, bytes(payload), now)
-        if isinstance(msg, SecAggPacket):
-            return self._on_secagg(msg, bytes(payload), now)
+        if msg.KIND in wire.SECAGG_DOWN:
+            return self._on_secagg(msg, bytes(payload), now)  # type: ignore[arg-type]
         if isinstance(msg, ErrorNotice):
-            wire.verify(msg, self._reg, None)
+            self._reg.verify_message(msg)
             r = self._round
             if r is None or msg.round_id != r.plan.round_id:
                 raise RemoteProtocolError(f"error notice for round {msg.round_id}, "
@@ -393,7 +402,7 @@ class DeviceSession:
     # ------------------------------------------------------------------ model
 
     def _on_model(self, msg: ModelUpdate, now: float) -> list[Publish]:
-        wire.verify(msg, self._reg, None)
+        self._reg.verify_message(msg)
         if msg.version == self._version and self._params is not None and all(
             np.array_equal(a, b) for a, b in zip(msg.params(), self._params, strict=True)
         ):
@@ -422,7 +431,7 @@ class DeviceSession:
         logger.info("%s declines round %d: %s (%s)", self.device, plan.round_id, reason,
                     detail, extra={"fedge": {"event": "decline", "device": self.device,
                                              "round": plan.round_id, "reason": reason}})
-        msg = wire.sign(Decline(round_id=plan.round_id, device=self.device, reason=reason,
+        msg = wire.sign(Decline(round_id=plan.round_id, sender=self.device, reason=reason,
                                 detail=detail[:256]), self._idn)
         self._events.append(Declined(round_id=plan.round_id, reason=reason,
                                      detail=msg.detail))
@@ -430,7 +439,7 @@ class DeviceSession:
                         wire.encode(msg))]
 
     def _on_plan(self, plan: RoundPlan, raw: bytes, now: float) -> list[Publish]:
-        wire.verify(plan, self._reg, None)
+        self._reg.verify_message(plan)
         if self.device not in plan.cohort:
             raise RemoteProtocolError(f"round {plan.round_id}'s plan does not select "
                                       f"{self.device!r}")
@@ -458,8 +467,10 @@ class DeviceSession:
             return self._decline(plan, "stale_model", f"holds model {self._version}, the "
                                                       f"plan trains {plan.model_version}")
         d = sum(math.prod(s) for s in self._shapes)
+        p = plan.params  # the gaussian mechanism's (the only one the wire knows yet)
         try:
-            mechanism = Gaussian().device(GaussianParams.from_plan(plan, dim=d))
+            mechanism = Gaussian().device(GaussianRound.from_plan(plan, dim=d))
+            config = RoundConfig.of_plan(plan)
         except ValueError as e:
             raise RemoteProtocolError(f"round {plan.round_id}'s plan: {e}") from None
         x, y = self._data()
@@ -489,7 +500,7 @@ class DeviceSession:
             return self._decline(plan, "budget" if isinstance(e, BudgetExhausted) else "ledger",
                                  str(e))
         rng = self._round_rng(plan.round_id)
-        coords = (None if plan.sparsity == 1.0
+        coords = (None if p.sparsity == 1.0
                   else compress.coordinate_set(plan.round_seed, d, plan.length))
         try:
             residues = mechanism.contribute(params=self._params, data=(x, y),
@@ -497,9 +508,10 @@ class DeviceSession:
                                             honest=honest, rng=rng).values
         except TrainingDiverged:
             return self._diverged(plan, reservation)
-        client = SecAggClient(identity=self._idn, registry=self._reg,
-                              config=plan.round_config(), random_bytes=self._random)
+        client = SecAggClient(identity=self._idn, registry=self._reg, config=config,
+                              random_bytes=self._random)
         out = self._send_secagg(client.advertise())
+        self._last_round = plan.round_id
         self._round = _Round(plan=plan, client=client, residues=residues,
                              ledger_plan=ledger_plan, reservation=reservation,
                              last_heard=now, answers={raw: out})
@@ -519,14 +531,14 @@ class DeviceSession:
 
     # ------------------------------------------------------------------ secagg
 
-    def _send_secagg(self, msg: messages.Message) -> list[Publish]:
-        return [Publish(wire.device_up_topic(self.fleet, self.device, "secagg"),
-                        wire.encode(SecAggPacket.wrap(msg)))]
+    def _send_secagg(self, *msgs: SecAggUp) -> list[Publish]:
+        return [Publish(wire.device_up_topic(self.fleet, self.device, m.KIND), wire.encode(m))
+                for m in msgs]
 
-    def _on_secagg(self, pkt: SecAggPacket, raw: bytes, now: float) -> list[Publish]:
+    def _on_secagg(self, msg: SecAggDown, raw: bytes, now: float) -> list[Publish]:
         r = self._round
-        if r is None or pkt.round_id != r.plan.round_id:
-            raise RemoteProtocolError(f"secagg message for round {pkt.round_id}, not this "
+        if r is None or msg.round_id != r.plan.round_id:
+            raise RemoteProtocolError(f"{msg.KIND} for round {msg.round_id}, not this "
                                       f"device's open round")
         if raw in r.answers:
             r.last_heard = now
@@ -534,14 +546,13 @@ class DeviceSession:
             if raw == r.upload:  # the same upload again (the request was redelivered)
                 self._uploaded(r, out, resent=True)
             return out
-        msg = pkt.message()
-        if isinstance(msg, messages.NeighbourKeys):
+        if isinstance(msg, NeighbourKeys):
             out = self._send_secagg(r.client.share_keys(msg))
-        elif isinstance(msg, messages.ForwardedShares):
+        elif isinstance(msg, ForwardedShares):
             out = self._upload(r, msg)
             r.upload = raw
             self._uploaded(r, out, resent=False)
-        elif isinstance(msg, messages.UnmaskRequest):
+        elif isinstance(msg, UnmaskRequest):
             self._check_survivors(r, msg)
             out = self._send_secagg(r.client.unmask(msg))
             self._commit(r)
@@ -551,7 +562,7 @@ class DeviceSession:
         r.last_heard = now
         return list(out)
 
-    def _check_survivors(self, r: _Round, msg: messages.UnmaskRequest) -> None:
+    def _check_survivors(self, r: _Round, msg: UnmaskRequest) -> None:
         """Refuse (nothing revealed) an unmask request for a sum of fewer than the plan's
         ``min_survivors`` uploads: the ledger's aggregate view counts on that many.
 
@@ -562,7 +573,7 @@ class DeviceSession:
         """
         need = r.plan.min_survivors
         seen = len(set(msg.survivors)) + 1  # this device uploaded too
-        complete = (set(r.plan.round_config().neighbours(self.device))
+        complete = (set(RoundConfig.of_plan(r.plan).neighbours(self.device))
                     == set(r.plan.cohort) - {self.device})
         if msg.survivor_count < need:
             raise RemoteProtocolError(f"unmask request for round {r.plan.round_id} names "
@@ -575,16 +586,14 @@ class DeviceSession:
                                       f"(with this device) and allows at most {most} "
                                       f"(complete graph: {complete}); refused")
 
-    def _upload(self, r: _Round, msg: messages.ForwardedShares) -> list[Publish]:
+    def _upload(self, r: _Round, msg: ForwardedShares) -> list[Publish]:
         # the round was reserved (durably) before training, so the upload may leave
-        masked = r.client.mask_input(msg, r.residues)
+        parts: tuple[MaskedPart, ...] = r.client.mask_input(msg, r.residues,
+                                                            max_packet=self._max_packet)
         self._inputs[r.plan.round_id] = r.residues.copy()
         while len(self._inputs) > _KEPT_INPUTS:
             del self._inputs[min(self._inputs)]
-        data = messages.encode_message(masked)
-        topic = wire.device_up_topic(self.fleet, self.device, "chunk")
-        return [Publish(topic, wire.encode(c)) for c in wire.split_upload(
-            round_id=r.plan.round_id, device=self.device, data=data, max_packet=self._max_packet)]
+        return self._send_secagg(*parts)
 
     def _uploaded(self, r: _Round, out: list[Publish], *, resent: bool) -> None:
         self._events.append(Uploaded(round_id=r.plan.round_id, parts=len(out),
@@ -617,7 +626,7 @@ class DeviceSession:
         except (LedgerError, ValueError) as e:
             logger.error("%s: cannot read the ledger for check-in: %s", self.device, e)
             remaining, size = 0.0, 0
-        msg = wire.sign(CheckIn(device=self.device, data_size=size,
+        msg = wire.sign(CheckIn(round_id=self._last_round, sender=self.device, data_size=size,
                                 remaining_epsilon=float(remaining),
                                 model_version=self._version), self._idn)
         if self._checkin_every is not None:

@@ -59,8 +59,6 @@ KNOWN_CYCLES: tuple[tuple[str, frozenset[str], str], ...] = (
 )
 # (importer, imported, the plan's step that removes it)
 KNOWN_WRONG_EDGES: tuple[tuple[str, str, str], ...] = (
-    ("edge_sdk.wire", "edge_sdk.secagg", "D2"),
-    ("edge_sdk.wire", "edge_sdk.secagg.messages", "D2"),
 )
 # (module, the plan's step that creates or lightens it)
 KNOWN_HEAVY: tuple[tuple[str, str], ...] = ()
@@ -263,8 +261,9 @@ def test_listed_wrong_edge_is_gone(importer: str, imported: str) -> None:
     assert not [w for w in _wrong_edges() if w[:2] == (importer, imported)]
 
 
-LIGHT = ("edge_sdk.wire", "edge_sdk.wire.schema", "edge_sdk.secagg", "aggregator.rounds",
-         "edge_sdk.config")
+LIGHT = ("edge_sdk.wire", "edge_sdk.wire.schema", "edge_sdk.wire.messages",
+         "edge_sdk.wire.chunking", "edge_sdk.wire.topics", "edge_sdk.secagg",
+         "aggregator.rounds", "edge_sdk.config")
 
 
 @pytest.mark.parametrize("module", [

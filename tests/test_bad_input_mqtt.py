@@ -38,7 +38,6 @@ from edge_sdk.config import load_aggregator_identity, load_device_identity
 from edge_sdk.engine import load_engine
 from edge_sdk.model import init_params
 from edge_sdk.mqtt import ClientConfig
-from edge_sdk.secagg import messages
 from edge_sdk.session import DeviceSession
 from edge_sdk.wire import Publish
 from models import ONNX_DIR
@@ -80,13 +79,11 @@ class Gate:
 
     def on_message(self, topic: str, payload: bytes, now: float) -> list[Publish]:
         if topic.endswith("/down/plan"):
-            self.plan = wire.decode(payload)  # type: ignore[assignment]
+            self.plan = wire.decode(payload, wire.ALL_KINDS)  # type: ignore[assignment]
             self.hold = self.plan is not None and self.plan.cohort[0] == self.name
-        if self.hold and topic.endswith("/down/secagg"):
-            inner = msgpack.unpackb(msgpack.unpackb(payload)["data"])["kind"]
-            if inner == "forwarded_shares":
-                self.held.append((topic, payload))
-                return []
+        if self.hold and topic.endswith("/down/forwarded_shares"):
+            self.held.append((topic, payload))
+            return []
         return self._out(self.s.on_message(topic, payload, now))
 
     def _out(self, out: list[Publish]) -> list[Publish]:
@@ -110,17 +107,14 @@ def _held_round(tmp: Path, digits: Any, engine: Any) -> GatedFleet:
                               "stage_timeout": 120.0, "max_rounds": 1})
 
 
-def _masked(plan: wire.RoundPlan, ident: secagg.DeviceIdentity, *, count: int,
-            bits: int) -> bytes:
-    m = messages.MaskedInput(round_id=plan.round_id, sender=ident.device, bits=bits, count=count,
-                           payload_bytes=bytes((count * bits + 7) // 8))
-    signed = messages._sign_with(m, ident, plan.round_config().digest())  # noqa: SLF001
-    return messages.encode_message(signed)
-
-
-def _chunk(plan: wire.RoundPlan, device: str, data: bytes) -> bytes:
-    (c,) = wire.split_upload(round_id=plan.round_id, device=device, data=data)
-    return wire.encode(c)
+def _part(plan: wire.RoundPlan, ident: secagg.DeviceIdentity, *, count: int,
+          bits: int) -> bytes:
+    """A one-part masked upload of ``count`` zero residues at ``bits``, signed by ``ident``
+    for the plan's round."""
+    (p,) = wire.split_masked(round_id=plan.round_id, sender=ident.device, bits=bits,
+                             count=count, data=bytes((count * bits + 7) // 8))
+    digest = secagg.RoundConfig.of_plan(plan).digest()
+    return wire.encode(wire.sign(p, ident, context=digest))
 
 
 def test_bad_input_via_mosquitto_pub_is_rejected_and_changes_nothing(
@@ -134,7 +128,8 @@ def test_bad_input_via_mosquitto_pub_is_rejected_and_changes_nothing(
         assert plan is not None
         held, a, b = plan.cohort
         x = next(n for n in f.names if n not in plan.cohort)
-        pump_until(f.loop, lambda: all(any(p.topic.endswith("/up/chunk") for p in f.gates[d].sent)
+        pump_until(f.loop, lambda: all(any(p.topic.endswith("/up/masked_part")
+                                           for p in f.gates[d].sent)
                                        and f.loop.pending(d) == 0 for d in (a, b)),
                    30, [agg], "the two uploads")
         f.loop.run(timeout=0.5)  # the aggregator takes both uploads in
@@ -147,42 +142,40 @@ def test_bad_input_via_mosquitto_pub_is_rejected_and_changes_nothing(
         c = f.broker.config
         up = wire.device_up_topic
         ck = msgpack.unpackb(f.gates[a].last("checkin"))
-        chunk_a = f.gates[a].last("chunk")
+        chunk_a = f.gates[a].last("masked_part")
         d_k = plan.length
         cases: list[tuple[str, str, bytes | None, str]] = [
-            (a, up(FLEET, a, "chunk"), None, "malformed message bytes"),  # empty
-            (a, up(FLEET, a, "chunk"), chunk_a[:1], "malformed message bytes"),
-            (a, up(FLEET, a, "chunk"), chunk_a[: len(chunk_a) // 2], "malformed message bytes"),
-            (a, up(FLEET, a, "chunk"), chunk_a[:-1], "malformed message bytes"),
+            (a, up(FLEET, a, "masked_part"), None, "malformed message bytes"),  # empty
+            (a, up(FLEET, a, "masked_part"), chunk_a[:1], "malformed message bytes"),
+            (a, up(FLEET, a, "masked_part"), chunk_a[: len(chunk_a) // 2],
+             "malformed message bytes"),
+            (a, up(FLEET, a, "masked_part"), chunk_a[:-1], "malformed message bytes"),
             (a, up(FLEET, a, "checkin"), msgpack.packb({**ck, "data_size": "lots"}),
              "'data_size' must be an integer"),
             (a, up(FLEET, a, "checkin"), msgpack.packb({**ck, "remaining_epsilon": math.nan}),
-             "'remaining_epsilon' must be finite"),
+             "'remaining_epsilon' must be a finite float"),
             (a, up(FLEET, a, "checkin"), msgpack.packb({**ck, "remaining_epsilon": math.inf}),
-             "'remaining_epsilon' must be finite"),
+             "'remaining_epsilon' must be a finite float"),
             (a, up(FLEET, a, "checkin"), msgpack.packb({**ck, "sig": bytes(64)}),
              "bad signature"),  # unsigned (a zero signature)
             (a, up(FLEET, a, "decline"), wire.encode(wire.sign(wire.Decline(
-                round_id=plan.round_id, device=a, reason="budget"), ids[x])),
+                round_id=plan.round_id, sender=a, reason="budget"), ids[x])),
              "bad signature"),  # mis-signed: another device's key
-            (a, up(FLEET, a, "chunk"), chunk_a, "already accepted"),  # replayed upload
-            (a, up(FLEET, a, "chunk"), _chunk(plan, a, _masked(plan, ids[a], count=d_k,
-                                                                bits=plan.bits)),
-             "contradicts its completed upload"),  # a second, different upload
-            (held, up(FLEET, held, "chunk"), _chunk(plan, held, _masked(
-                plan, ids[held], count=d_k - 1, bits=plan.bits)),
+            (a, up(FLEET, a, "masked_part"), chunk_a, "already accepted"),  # replayed upload
+            (a, up(FLEET, a, "masked_part"), _part(plan, ids[a], count=d_k, bits=plan.bits),
+             "second, different masked_part"),  # a second, different upload
+            (held, up(FLEET, held, "masked_part"), _part(plan, ids[held], count=d_k - 1,
+                                                         bits=plan.bits),
              f"has {d_k - 1} values"),  # wrong shape
-            (held, up(FLEET, held, "chunk"), _chunk(plan, held, _masked(
-                plan, ids[held], count=d_k, bits=16)), "of 16 bits"),  # wrong width
-            (held, up(FLEET, held, "chunk"), wire.encode(wire.UploadChunk(
-                round_id=plan.round_id, device=held, index=0, total=1, size=64 * 2**20,
-                digest=bytes(32), data=b"\x00" * 1000)), "takes at most"),  # oversized
-            (held, up(FLEET, held, "secagg"), wire.encode(wire.SecAggPacket(
-                round_id=plan.round_id, device=held, data=_masked(plan, ids[held], count=d_k,
-                                                                 bits=plan.bits))),
-             "must come in upload chunks"),
-            (x, up(FLEET, x, "chunk"), _chunk(plan, x, _masked(plan, ids[x], count=d_k,
-                                                                bits=plan.bits)),
+            (held, up(FLEET, held, "masked_part"), _part(plan, ids[held], count=d_k, bits=16),
+             "of 16 bits"),  # wrong width
+            (held, up(FLEET, held, "masked_part"),
+             msgpack.packb({**msgpack.unpackb(chunk_a), "from": held, "count": 1 << 31}),
+             "above 268435456"),  # oversized
+            (held, up(FLEET, held, "advertise_keys"),
+             _part(plan, ids[held], count=d_k, bits=plan.bits),
+             "masked_part message on the 'advertise_keys' topic"),
+            (x, up(FLEET, x, "masked_part"), _part(plan, ids[x], count=d_k, bits=plan.bits),
              "not in round 1's cohort"),  # an upload from outside the cohort
             (x, up(FLEET, x, "checkin"), msgpack.packb({**ck}), "names device"),
         ]
@@ -261,8 +254,8 @@ def test_every_prefix_and_hypothesis_mutations_leave_the_machine_unchanged(
         f.loop.add(f.client(a), _Publisher())
         pump_until(f.loop, lambda: f.loop.is_ready(a), 10, [], "publisher")
         gate = f.gates[a]
-        base = {"checkin": gate.last("checkin"), "chunk": gate.last("chunk"),
-                "secagg": gate.last("secagg")}
+        base = {"checkin": gate.last("checkin"), "masked_part": gate.last("masked_part"),
+                "advertise_keys": gate.last("advertise_keys")}
 
         def deliver(items: list[tuple[str, bytes]]) -> list[logging.LogRecord]:
             before, n = machine.snapshot(), seen[0]
@@ -311,7 +304,7 @@ def test_every_prefix_and_hypothesis_mutations_leave_the_machine_unchanged(
                 else:
                     obj[data.draw(st.text(min_size=1, max_size=8))] = data.draw(values)
                 payload = msgpack.packb(obj)
-            if payload == base[kind] and kind != "chunk" and kind != "secagg":
+            if payload == base[kind] and kind == "checkin":
                 return  # unchanged check-in: not bad input
             recs = deliver([(kind, payload)])
             assert len(recs) == 1 and recs[0].fedge.get("reason"), payload[:40]

@@ -89,7 +89,8 @@ def round_done(tmp_path_factory) -> dict:
         broker.tick(now)
     try:
         assert machine.history and machine.history[0].completed, machine.history
-        plans = [wire.decode(p) for _, t, p in broker.sent if t.endswith("/down/plan")]
+        plans = [wire.decode(p, wire.ALL_KINDS) for _, t, p in broker.sent
+                 if t.endswith("/down/plan")]
         uploads = {n: devices[n].session.encoded_input(plans[0].round_id) for n in names}
     finally:
         for dev in devices.values():
@@ -99,16 +100,17 @@ def round_done(tmp_path_factory) -> dict:
 
 
 def _decode(plan, residues: np.ndarray) -> np.ndarray:
-    return FixedPoint(scale=plan.scale, bits=plan.bits).decode(residues, 1)
+    return FixedPoint(scale=plan.params.scale, bits=plan.bits).decode(residues, 1)
 
 
 def _attacker_views(r: dict, name: str) -> tuple[np.ndarray, dict[int, np.ndarray], float]:
     """The upload minus the noise-free update, minus each seeded replay; and sigma."""
     plan, engine, params = r["plan"], r["engine"], r["params"]
+    p = plan.params
     x, y = r["data"][name]
     upload = _decode(plan, r["uploads"][name])
-    cfg = dict(steps=plan.steps, batch_size=plan.batch_size, lr=plan.lr, clip=plan.clip,
-               sampling=plan.sampling, sparsity=1.0)
+    cfg = dict(steps=p.steps, batch_size=p.batch_size, lr=p.lr, clip=p.clip,
+               sampling=p.sampling, sparsity=1.0)
     clean = local_round(engine, params, x, y, LocalTraining(noise_multiplier=0.0, **cfg),
                         np.random.default_rng(0))
     u0 = flatten_params(clean.update).astype(np.float64)
@@ -116,19 +118,19 @@ def _attacker_views(r: dict, name: str) -> tuple[np.ndarray, dict[int, np.ndarra
     for seed in sorted({r["names"].index(name), 0}):  # enroll's old seed = i; default 0
         rng = np.random.default_rng([seed, plan.round_id])  # the old session, verbatim
         res = local_round(engine, params, x, y,
-                          LocalTraining(noise_multiplier=plan.noise_multiplier, **cfg), rng)
-        values = np.clip(flatten_params(res.update).astype(np.float64), -plan.value_bound,
-                         plan.value_bound)
-        fp = FixedPoint(scale=plan.scale, bits=plan.bits)
+                          LocalTraining(noise_multiplier=p.noise_multiplier, **cfg), rng)
+        values = np.clip(flatten_params(res.update).astype(np.float64), -p.value_bound,
+                         p.value_bound)
+        fp = FixedPoint(scale=p.scale, bits=plan.bits)
         replays[seed] = upload - fp.decode(fp.encode(values, rng), 1)
-    sigma = plan.lr * plan.noise_multiplier * plan.clip / len(y)  # one step, denominator m
+    sigma = p.lr * p.noise_multiplier * p.clip / len(y)  # one step, denominator m
     return upload - u0, replays, sigma
 
 
 def test_the_plan_is_the_one_the_attack_needs(round_done) -> None:
-    plan = round_done["plan"]
-    assert (plan.steps, plan.batch_size, plan.sampling, plan.sparsity) == (1, M, "poisson", 1.0)
-    assert plan.quant_levels == 0 and plan.noise_multiplier == Z
+    p = round_done["plan"].params
+    assert (p.steps, p.batch_size, p.sampling, p.sparsity) == (1, M, "poisson", 1.0)
+    assert p.quant_levels == 0 and p.noise_multiplier == Z
 
 
 @pytest.mark.parametrize("index", [0, 1, 2])

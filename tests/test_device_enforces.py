@@ -24,21 +24,20 @@ from test_session_rounds import FLEET, Fleet, _down_kind
 from aggregator.rounds import RoundPolicy
 from edge_sdk import secagg, wire
 from edge_sdk.ledger import LedgerError
-from edge_sdk.wire import SecAggPacket, WireError
+from edge_sdk.wire import WireError
 
 
 def _forged(plan: wire.RoundPlan, agg: secagg.AggregatorIdentity, payload: bytes,
             **changes) -> bytes:
     """The aggregator's unmask request with ``changes``, validly signed by the aggregator."""
-    req = wire.decode(payload).message()
-    new = dataclasses.replace(req, sig=b"", **changes)
-    digest = plan.round_config().digest()
-    return wire.encode(SecAggPacket.wrap(
-        dataclasses.replace(new, sig=agg.sign(new.signing_bytes(digest)))))
+    req = wire.decode(payload, wire.ALL_KINDS)
+    digest = secagg.RoundConfig.of_plan(plan).digest()
+    return wire.encode(wire.sign(dataclasses.replace(req, **changes), agg, context=digest))
 
 
 def _plans(fleet: Fleet) -> dict[int, wire.RoundPlan]:
-    return {p.round_id: p for p in (wire.decode(pl) for _, t, pl in fleet.broker.sent
+    return {p.round_id: p for p in (wire.decode(pl, wire.ALL_KINDS)
+                                    for _, t, pl in fleet.broker.sent
                                     if t.endswith("/down/plan"))}
 
 
@@ -51,7 +50,7 @@ def test_device_refuses_unmask_below_min_survivors(tmp_path, digits, engine, cap
 
     def drop(name: str, topic: str, payload: bytes) -> bool:
         if _down_kind(topic, payload) == "unmask_request" and not refused:
-            req = wire.decode(payload).message()
+            req = wire.decode(payload, wire.ALL_KINDS)
             plan = _plans(fleet)[req.round_id]
             assert req.survivor_count == len(req.survivors) + 1 >= plan.min_survivors
             count = (plan.min_survivors - 1 if lie == "below_min_survivors"
@@ -83,7 +82,7 @@ def _declines(fleet: Fleet, round_id: int) -> dict[str, str]:
     out = {}
     for sender, topic, payload in fleet.broker.sent:
         if topic.endswith("/up/decline"):
-            msg = wire.decode(payload)
+            msg = wire.decode(payload, wire.ALL_KINDS)
             if msg.round_id == round_id:
                 out[sender] = msg.reason
     return out
@@ -124,11 +123,12 @@ def test_diverged_decline_is_reserved_first(tmp_path, digits, engine) -> None:
                 # about its disk, nothing about its data) and sent nothing else
                 assert declines.get(dev) == "ledger", (dev, declines.get(dev))
                 assert not [t for s, t, _ in fleet.broker.sent
-                            if s == dev and t.endswith("/up/secagg")], "it trained and sent"
+                            if s == dev and t.endswith("/up/advertise_keys")], "it trained and sent"
                 continue
             assert declines.get(dev) == "diverged", (dev, declines.get(dev))
             assert reserved and not fleet.ledgers[dev].pending(), dev
-            detail = next(wire.decode(p).detail for s, t, p in fleet.broker.sent
+            detail = next(wire.decode(p, wire.ALL_KINDS).detail
+                          for s, t, p in fleet.broker.sent
                           if s == dev and t.endswith("/up/decline"))
             assert not any(ch.isdigit() for ch in detail), detail  # no data-derived value
     finally:
@@ -172,18 +172,24 @@ def test_plan_with_bad_max_colluders_is_rejected_on_decode() -> None:
     devs = [secagg.DeviceIdentity.generate(f"d{i}") for i in range(5)]
     cfg = secagg.RoundConfig.for_cohort(round_id=3, nonce=bytes(32),
                                         cohort=[d.device for d in devs], bits=32, length=4)
+    params = wire.GaussianParams(steps=1, batch_size=8, lr=0.1, sampling="poisson", clip=1.0,
+                                 noise_multiplier=1.0, sparsity=1.0, quant_levels=0,
+                                 scale=2.0**10, value_bound=1.0)
     plan = wire.RoundPlan(
-        round_id=3, model_version=0, cohort=cfg.cohort, steps=1, batch_size=8, lr=0.1,
-        sampling="poisson", clip=1.0, noise_multiplier=1.0, sparsity=1.0,
-        round_seed=bytes(32), quant_levels=0, scale=2.0**10, value_bound=1.0, bits=32,
-        length=4, nonce=cfg.nonce, degree=cfg.degree, threshold=cfg.threshold,
-        min_survivors=cfg.threshold, max_colluders=1, stage_timeout=10.0)
-    assert wire.decode(wire.encode(wire.sign(plan, agg))).max_colluders == 1
+        round_id=3, model_version=0, cohort=cfg.cohort, mechanism="gaussian", params=params,
+        round_seed=bytes(32), bits=32, length=4, nonce=cfg.nonce, degree=cfg.degree,
+        threshold=cfg.threshold, min_survivors=cfg.threshold, max_colluders=1,
+        stage_timeout=10.0)
+    signed = wire.sign(plan, agg)
+    assert wire.decode(wire.encode(signed), wire.ALL_KINDS).max_colluders == 1
     for bad in (cfg.threshold, cfg.threshold + 3):
-        raw = wire.encode(wire.sign(dataclasses.replace(plan, max_colluders=bad), agg))
+        # the aggregator cannot even sign such a plan; a peer's bytes are refused
+        with pytest.raises(ValueError, match="max_colluders"):
+            wire.sign(dataclasses.replace(plan, max_colluders=bad), agg)
+        raw = msgpack.packb({**signed.to_wire(), "max_colluders": bad}, use_bin_type=True)
         with pytest.raises(WireError, match="max_colluders"):
-            wire.decode(raw)
-    obj = msgpack.unpackb(wire.encode(wire.sign(plan, agg)))
+            wire.decode(raw, wire.ALL_KINDS)
+    obj = msgpack.unpackb(wire.encode(signed))
     del obj["max_colluders"]
     with pytest.raises(WireError):
-        wire.decode(msgpack.packb(obj))
+        wire.decode(msgpack.packb(obj), wire.ALL_KINDS)

@@ -12,7 +12,7 @@ import pytest
 from test_session_rounds import Fleet, _check_sums, _down_kind
 
 from aggregator.guard import FloodGuard, FloodLimits, LogLimiter, reason_class
-from aggregator.rounds import Quarantined, Rejected, Released, Resent, StatusSeen
+from aggregator.rounds import Duplicate, Quarantined, Released, Resent, StatusSeen
 from edge_sdk import wire
 from edge_sdk.wire import Publish
 
@@ -134,21 +134,21 @@ def test_a_flooding_device_is_quarantined_and_the_round_goes_on(
     m.take_events()
     flooder = m.current_plan.cohort[-1]
     chunk = next(p for n, t, p in reversed(fleet.broker.sent)
-                 if n == flooder and t.endswith("/up/chunk"))
+                 if n == flooder and t.endswith("/up/masked_part"))
     before = m.snapshot()
     # within its burst (less what it sent in the round so far, all at t = 0): each rejected
-    # (an upload chunk in the unmask stage), nothing changes
+    # (a replay of an accepted upload part: a duplicate), nothing changes
     for _ in range(FloodLimits().burst // 2):
-        fleet.broker.publish(flooder, Publish(wire.device_up_topic(FLEET, flooder, "chunk"),
+        fleet.broker.publish(flooder, Publish(wire.device_up_topic(FLEET, flooder, "masked_part"),
                                               chunk))
     fleet.broker.run(fleet.now)
     assert m.quarantined == frozenset() and m.snapshot() == before
-    refused = Rejected(topic=wire.device_up_topic(FLEET, flooder, "chunk"), device=flooder,
-                       reason=f"upload chunk from {flooder!r} in stage collect_unmask",
-                       round_id=1, stage="collect_unmask")
+    refused = Duplicate(topic=wire.device_up_topic(FLEET, flooder, "masked_part"),
+                        device=flooder, reason=f"masked_part from {flooder!r} already accepted",
+                        round_id=1, stage="collect_unmask")
     assert m.take_events() == [refused] * (FloodLimits().burst // 2)
     for _ in range(5000):
-        fleet.broker.publish(flooder, Publish(wire.device_up_topic(FLEET, flooder, "chunk"),
+        fleet.broker.publish(flooder, Publish(wire.device_up_topic(FLEET, flooder, "masked_part"),
                                               chunk))
     fleet.broker.run(fleet.now)
     ev = m.take_events()

@@ -90,7 +90,8 @@ def test_one_device_flooding_50000_messages_does_not_fail_the_round(
     start = f.wait_line(agg, lambda e: e["event"] == "start", 30, "the aggregator")
     f.wait_line(agg, lambda e: e["event"] == "stage" and e["stage"] == "collect_unmask", 60,
                 "round 1's unmask stage")
-    chunk = next(p for p in reversed(f.freezers[flooder].sent) if p.topic.endswith("/up/chunk"))
+    chunk = next(p for p in reversed(f.freezers[flooder].sent)
+                 if p.topic.endswith("/up/masked_part"))
     f.loop.remove(flooder, timeout=2.0)  # the attacker now holds its credentials
     rss_before = _rss_kib(agg.p.pid)
     path = f.tmp / "chunk.bin"

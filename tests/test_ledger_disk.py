@@ -136,7 +136,7 @@ def test_full_disk_the_device_declines_nothing_leaves_the_ledger_verifies(
         def drop(name: str, topic: str, payload: bytes) -> bool:
             # round 1 ran on the full disk; before round 2's plan arrives, look, then free it
             if "/down/plan" in topic and not on_full_disk and \
-                    wire.decode(payload).round_id == 2:  # type: ignore[union-attr]
+                    wire.decode(payload, wire.ALL_KINDS).round_id == 2:  # type: ignore[union-attr]
                 for n in VICTIMS:  # nothing recorded, the file intact, verifiable while full
                     led = fleet.ledgers[n]
                     assert led.reservations() == () and led.head() == before[n]
@@ -152,12 +152,13 @@ def test_full_disk_the_device_declines_nothing_leaves_the_ledger_verifies(
         o1, o2 = fleet.machine.history
         # round 1 went on without them: each declined, for the ledger, after training
         assert o1.completed and set(o1.survivors) == set(fleet.sessions) - set(VICTIMS)
-        mine = [(t, wire.decode(p)) for _, t, p in sent_by(fleet, VICTIMS) if "/up/" in t]
+        mine = [(t, wire.decode(p, wire.ALL_KINDS)) for _, t, p in sent_by(fleet, VICTIMS)
+                if "/up/" in t]
         declines = [m for t, m in mine if t.endswith("/up/decline")]
-        assert sorted(d.device for d in declines) == VICTIMS  # type: ignore[union-attr]
+        assert sorted(d.sender for d in declines) == VICTIMS  # type: ignore[union-attr]
         assert all(d.round_id == 1 and d.reason == "ledger"  # type: ignore[union-attr]
                    and "disk is full" in d.detail for d in declines), declines  # type: ignore[union-attr]
-        chunks = [m for t, m in mine if t.endswith("/up/chunk")]
+        chunks = [m for t, m in mine if t.endswith("/up/masked_part")]
         assert {c.round_id for c in chunks} == {2}  # type: ignore[union-attr]  # none in round 1
         # space again: round 2 took them, each reservation recorded once
         assert o2.completed and set(VICTIMS) <= set(o2.survivors)

@@ -19,7 +19,7 @@ from edge_sdk.mechanisms import (
     MECHANISMS,
     Contribution,
     Gaussian,
-    GaussianParams,
+    GaussianRound,
 )
 from edge_sdk.model import flatten_params, init_params
 from edge_sdk.privacy.aggregate import aggregate_event
@@ -29,9 +29,9 @@ SCALE = 2.0**16
 
 
 def _params(dim: int, *, sparsity: float = 1.0, quant_levels: int = 0,
-            value_bound: float = 1.0, cohort: int = 5, lr: float = 0.5) -> GaussianParams:
+            value_bound: float = 1.0, cohort: int = 5, lr: float = 0.5) -> GaussianRound:
     length = dim if sparsity == 1.0 else compress.kept_count(dim, sparsity)
-    return GaussianParams(
+    return GaussianRound(
         training=LocalTraining(steps=3, batch_size=16, lr=lr, clip=1.0, noise_multiplier=1.0,
                                sparsity=sparsity),
         quant_levels=quant_levels, value_bound=value_bound,
@@ -53,7 +53,7 @@ def _shards(digits: Any, n: int, size: int = 60) -> list[tuple[np.ndarray, np.nd
 
 def test_registry() -> None:
     assert dict(MECHANISMS) == {"gaussian": Gaussian}
-    assert Gaussian.name == "gaussian" and Gaussian.Params is GaussianParams
+    assert Gaussian.name == "gaussian" and Gaussian.Params is wire.GaussianParams
 
 
 def test_events_are_the_round_event_and_the_local_view_for_the_sum(model) -> None:
@@ -150,20 +150,24 @@ def test_params_from_a_plan_and_their_checks(model) -> None:
     k = compress.kept_count(d, 0.5)
     cfg = secagg.RoundConfig.for_cohort(round_id=3, nonce=bytes(32), cohort=cohort, bits=32,
                                         length=k)
+    params = wire.GaussianParams(steps=2, batch_size=8, lr=0.1, sampling="shuffle", clip=1.0,
+                                 noise_multiplier=1.5, sparsity=0.5, quant_levels=4,
+                                 scale=2.0**10, value_bound=1.0)
     plan = wire.sign(wire.RoundPlan(
-        round_id=3, model_version=0, cohort=cfg.cohort, steps=2, batch_size=8, lr=0.1,
-        sampling="shuffle", clip=1.0, noise_multiplier=1.5, sparsity=0.5,
-        round_seed=bytes(32), quant_levels=4, scale=2.0**10, value_bound=1.0, bits=32,
-        length=k, nonce=cfg.nonce, degree=cfg.degree, threshold=cfg.threshold,
+        round_id=3, model_version=0, cohort=cfg.cohort, mechanism="gaussian", params=params,
+        round_seed=bytes(32), bits=32, length=k, nonce=cfg.nonce, degree=cfg.degree,
+        threshold=cfg.threshold,
         min_survivors=cfg.threshold, max_colluders=1, stage_timeout=10.0), agg)
-    p = GaussianParams.from_plan(plan, dim=d)
+    p = GaussianRound.from_plan(plan, dim=d)
     assert p.training == LocalTraining(steps=2, batch_size=8, lr=0.1, clip=1.0,
                                        noise_multiplier=1.5, sampling="shuffle", sparsity=0.5)
     assert (p.quant_levels, p.value_bound, p.length, p.dim, p.cohort_size) == (4, 1.0, k, d, 5)
     assert p.fixed_point == FixedPoint(scale=2.0**10, bits=32)
     with pytest.raises(ValueError, match=f"length {k}, but rand-k at p = 0.5 of {d + 7}"):
-        GaussianParams.from_plan(plan, dim=d + 7)
+        GaussianRound.from_plan(plan, dim=d + 7)
     with pytest.raises(ValueError, match="lr"):
-        GaussianParams.from_plan(dataclasses.replace(plan, lr=-1.0), dim=d)
+        GaussianRound.from_plan(
+            dataclasses.replace(plan, params=dataclasses.replace(params, lr=-1.0)), dim=d)
     with pytest.raises(ValueError):  # value_bound x cohort does not fit 32 bits at 2^30
-        GaussianParams.from_plan(dataclasses.replace(plan, scale=2.0**30), dim=d)
+        GaussianRound.from_plan(
+            dataclasses.replace(plan, params=dataclasses.replace(params, scale=2.0**30)), dim=d)

@@ -94,14 +94,14 @@ def test_each_call_reports_exactly_what_it_changed(
     def drop(name: str, topic: str, payload: bytes) -> bool:
         kind = _down_kind(topic, payload)
         if kind == "plan":
-            plan = wire.decode(payload)
+            plan = wire.decode(payload, wire.DOWN_KINDS)
             plans[plan.round_id] = plan
         rnd = max(plans, default=0)
         cohort = plans[rnd].cohort if rnd else ()
         if rnd == 1 and kind == "plan" and name == cohort[-1]:
             if "decline" not in faults:  # it declines (twice: the second is a duplicate)
                 faults.add("decline")
-                d = wire.encode(wire.sign(wire.Decline(round_id=1, device=name,
+                d = wire.encode(wire.sign(wire.Decline(round_id=1, sender=name,
                                                        reason="budget"),
                                           fleet.ids[int(name[1:])]))
                 for _ in range(2):
@@ -178,7 +178,7 @@ def test_a_refused_message_is_a_rejected_event_with_the_reason(
     m.take_events()
     garbage = msgpack.packb({"v": 2, "kind": "checkin"})
     with pytest.raises(RemoteProtocolError) as err:
-        wire.decode(garbage)
+        wire.decode(garbage, wire.UP_KINDS)
     cases = [
         (wire.device_up_topic(FLEET, "d01", "checkin"), garbage, "d01", str(err.value)),
         ("fedge/other/dev/d02/up/checkin", b"x", "d02", "not a topic of fleet 'lab'"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import string
 import sys
 from collections.abc import Callable, Collection
 from dataclasses import replace
@@ -38,7 +39,7 @@ from aggregator.secagg_server import (
     run_amortized_round,
     run_round,
 )
-from edge_sdk import _validate, compress, secagg
+from edge_sdk import compress, secagg
 from edge_sdk.errors import (
     EdgeError,
     LocalProtocolError,
@@ -77,17 +78,32 @@ from edge_sdk.secagg import (
     RoundConfig,
     SecAggClient,
 )
-from edge_sdk.secagg import messages as secagg_messages
-from edge_sdk.secagg.messages import (
+from edge_sdk.wire import (
+    SECAGG_DOWN,
+    SECAGG_UP,
+    SIGNING_LABEL,
     AdvertiseKeys,
+    EncryptedShare,
     ForwardedShares,
-    MaskedInput,
+    MaskedPart,
     NeighbourKeys,
     RevealRequest,
     UnmaskRequest,
-    decode_message,
-    encode_message,
+    decode,
+    encode,
 )
+from edge_sdk.wire.schema import catalog
+
+SECAGG_KINDS = catalog(*SECAGG_UP.values(), *SECAGG_DOWN.values(), EncryptedShare)
+"""Every SecAgg kind (``encrypted_share`` only travels nested; decoded alone here)."""
+
+
+def encode_message(msg: Any) -> bytes:
+    return encode(msg)
+
+
+def decode_message(data: bytes) -> Any:
+    return decode(data, SECAGG_KINDS)
 
 GOLDEN_PATH = Path(__file__).parent / "golden" / "secagg_vectors.json"
 PROTO = settings(
@@ -187,9 +203,10 @@ class Stepper:
         self.clients = world.clients(cfg)
         self.sent: dict[str, list[Any]] = {}
 
-    def _send(self, dev: str, msg: Any) -> None:
-        self.sent.setdefault(msg.KIND, []).append(msg)
-        self.server.receive(decode_message(encode_message(msg)))
+    def _send(self, dev: str, msgs: Any) -> None:
+        for msg in msgs if isinstance(msgs, tuple) else (msgs,):  # masked parts: a tuple
+            self.sent.setdefault(msg.KIND, []).append(msg)
+            self.server.receive(decode_message(encode_message(msg)))
 
     def advertise(self, skip: Collection[str] = ()) -> dict[str, NeighbourKeys]:
         for d, c in self.clients.items():
@@ -341,9 +358,8 @@ def test_pairwise_masks_cancel_in_the_sum(bits: int, data: st.DataObject) -> Non
     ids = sorted(
         data.draw(
             st.sets(
-                st.text(min_size=1, max_size=5).filter(
-                    lambda s: _validate.device_id_problem(s) is None
-                ),
+                st.text(alphabet=string.ascii_letters + string.digits + "_.-", min_size=1,
+                        max_size=5),
                 min_size=2,
                 max_size=6,
             )
@@ -740,7 +756,7 @@ def test_golden_vectors_against_independent_oracles() -> None:
     pub = Ed25519PrivateKey.from_private_bytes(bytes.fromhex(RFC8032_TEST1_SK)).public_key()
     pub.verify(
         adv.sig,
-        secagg_messages.SIGNATURE_LABEL
+        SIGNING_LABEL
         + bytes.fromhex(g["config"]["digest_hex"])
         + msgpack.packb(
             {
@@ -778,7 +794,8 @@ def _all_messages() -> list[Any]:
         for d in amo.ids
     }
     for d in amo.ids[1:]:
-        srv.receive(cl[d].mask_input(np.zeros(3, dtype=np.uint64)))
+        for part in cl[d].mask_input(np.zeros(3, dtype=np.uint64)):
+            srv.receive(part)
     reqs = srv.close_masked_input()
     r = next(iter(reqs.values()))
     msgs += [r, cl[r.recipient].reveal(r)]
@@ -789,7 +806,7 @@ MESSAGES = _all_messages()
 
 
 def test_every_message_kind_is_covered() -> None:
-    assert {m.KIND for m in MESSAGES} == set(secagg_messages._KINDS)  # noqa: SLF001
+    assert {m.KIND for m in MESSAGES} == set(SECAGG_KINDS)
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: m.KIND)
@@ -942,10 +959,11 @@ def test_pending_close_stage_and_replay_rebuild_the_server() -> None:
     log: list[secagg_server.LogEntry] = []
     gone = cfg.cohort[2]  # vanishes after sharing its keys
 
-    def send(msg: Any) -> None:
-        data = encode_message(msg)
-        server.receive(decode_message(data))
-        log.append((secagg_server.RECV, data))
+    def send(msgs: Any) -> None:
+        for msg in msgs if isinstance(msgs, tuple) else (msgs,):  # masked parts: a tuple
+            data = encode_message(msg)
+            server.receive(decode_message(data))
+            log.append((secagg_server.RECV, data))
 
     def close() -> dict[str, Any]:
         stage = server.stage.value
@@ -1119,9 +1137,10 @@ def test_one_masked_upload_is_uniform_and_independent_of_its_input() -> None:
             run_round(
                 server=w.server(cfg), clients=w.clients(cfg, tag=value), inputs=x, on_message=keep
             )
-            up = next(m for m in map(decode_message, grab) if isinstance(m, MaskedInput))
+            up = next(m for m in map(decode_message, grab) if isinstance(m, MaskedPart))
+            assert up.parts == 1  # 16 residues of 4 bits: one part holds the whole vector
             counts += np.bincount(
-                Ring(bits=4).unpack(up.payload_bytes, 16).astype(np.int64), minlength=16
+                Ring(bits=4).unpack(up.data, 16).astype(np.int64), minlength=16
             )
         assert stats.chisquare(counts).pvalue > ALPHA
         tables.append(counts)
@@ -1243,14 +1262,14 @@ def test_rejections_in_later_stages_change_nothing() -> None:
     for d in cfg.cohort[1:]:
         run.server.receive(run.clients[d].share_keys(nk[d]))
     req = run.masked(run.server.close_share_keys())
-    mi = run.sent["masked_input"][0]
+    mi = run.sent["masked_part"][0]
     snap = _Snapshot(run.server)
     for msg in (
         mi,
-        replace(mi, payload_bytes=bytes(len(mi.payload_bytes))),
+        replace(mi, data=bytes(len(mi.data))),
         _signed_by(
             w.devices[mi.sender],
-            replace(mi, count=mi.count - 1, payload_bytes=mi.payload_bytes[:-2]),
+            replace(mi, count=mi.count - 1, data=mi.data[:-2]),
             cfg,
         ),
     ):
@@ -1259,6 +1278,85 @@ def test_rejections_in_later_stages_change_nothing() -> None:
         assert snap.unchanged()
     total = run.unmask(req)
     np.testing.assert_array_equal(total, ring_sum(list(run.x.values()), cfg.bits, cfg.length))
+
+
+def test_a_masked_upload_in_parts_joins_in_any_order_and_conflicts_change_nothing() -> None:
+    """The masked vector travels as signed masked_part s (no msgpack inside msgpack): the
+    server takes them in any order, counts the device once its last part arrives, and
+    refuses an unsigned, foreign or conflicting part without a trace."""
+    w = World(5)
+    cfg = w.config(bits=32, length=1000)  # 4000 bytes: 7 parts of at most 640
+    run = Stepper(w, cfg, random_inputs(cfg, 9))
+    fwd = run.share(run.advertise())
+    parts = {d: run.clients[d].mask_input(m, run.x[d], max_packet=1024)
+             for d, m in fwd.items()}
+    assert all(len(p) == 7 for p in parts.values())
+    assert sum(len(p.data) for p in parts["d00"]) == 4000  # the raw packed residues
+    order = np.random.default_rng(3).permutation(7)
+    for i in order[:-1]:
+        run.server.receive(decode_message(encode_message(parts["d00"][i])))
+    assert "d00" not in run.server.survivors  # not counted before its last part
+    last = parts["d00"][order[-1]]
+    snap = _Snapshot(run.server)
+    forged_bytes = replace(last, data=bytes(len(last.data)))  # same index, other bytes
+    resigned = _signed_by(w.devices["d00"], replace(last, digest=bytes(32)), cfg)
+    for msg, match in [(forged_bytes, "bad signature"), (resigned, "another upload"),
+                       (replace(last, sig=bytes(64)), "bad signature"),
+                       (_signed_by(w.outsider, replace(last, sender="zz-outsider"), cfg),
+                        "outsider")]:
+        with pytest.raises(RemoteProtocolError, match=match):
+            run.server.receive(msg)
+        assert snap.unchanged()
+    run.server.receive(last)
+    assert "d00" in run.server.survivors
+    with pytest.raises(ReplayedMessage):
+        run.server.receive(last)
+    for d in sorted(parts)[1:]:
+        for p in parts[d]:
+            run.server.receive(p)
+    total = run.unmask(run.server.close_masked_input())
+    np.testing.assert_array_equal(total, ring_sum(list(run.x.values()), cfg.bits, cfg.length))
+
+
+def test_an_upload_contradicting_its_own_digest_is_dropped_and_replays_alike() -> None:
+    """A device that signs parts whose bytes contradict their digest loses its upload (it
+    counts as gone), further parts of it are refused, the round finishes without it, and a
+    replay of the accepted messages rebuilds the same server."""
+    w = World(5)
+    cfg = w.config(bits=32, length=1000)
+    run = Stepper(w, cfg, random_inputs(cfg, 10))
+    fwd = run.share(run.advertise())
+    log: list[secagg_server.LogEntry] = []
+    for d, m in fwd.items():
+        parts = run.clients[d].mask_input(m, run.x[d], max_packet=1024)
+        if d == "d02":  # the same wrong digest on every part, each validly signed
+            parts = bad = tuple(_signed_by(w.devices[d], replace(p, digest=bytes(32)), cfg)
+                                for p in parts)
+        for p in parts:
+            run.server.receive(p)
+            log.append((secagg_server.RECV, encode_message(p)))
+    assert set(run.server.spoiled) == {"d02"} and "digest" in run.server.spoiled["d02"]
+    assert "d02" not in run.server.survivors and run.server.pending() == frozenset()
+    snap = _Snapshot(run.server)
+    with pytest.raises(RemoteProtocolError, match="dropped"):  # nothing more of d02's
+        run.server.receive(_signed_by(w.devices["d02"], replace(bad[0], part=7, parts=8),
+                                      cfg))
+    assert snap.unchanged()
+    twin = w.server(cfg)
+    twin.replay([*_key_log(run), *log])
+    assert twin.spoiled == run.server.spoiled and twin.survivors == run.server.survivors
+    total = run.unmask(run.server.close_masked_input())
+    want = ring_sum([x for d, x in run.x.items() if d != "d02"], cfg.bits, cfg.length)
+    np.testing.assert_array_equal(total, want)
+
+
+def _key_log(run: Stepper) -> list[secagg_server.LogEntry]:
+    """The key stages of ``run`` as a server log (what it sent, and the two closes)."""
+    out: list[secagg_server.LogEntry] = []
+    for kind, stage in (("advertise_keys", "collect_keys"), ("share_keys", "collect_shares")):
+        out += [(secagg_server.RECV, encode_message(m)) for m in run.sent[kind]]
+        out.append((secagg_server.CLOSE, stage.encode()))
+    return out
 
 
 def test_aggregator_cannot_forge_a_neighbours_keys() -> None:
@@ -1414,7 +1512,8 @@ def test_amortized_seeds_are_symmetric_and_never_revealed() -> None:
     cfg = w.config(amortized=True, full_graph=True)
     server, clients = _amortized(w, seeds, cfg)
     for d in ("d00", "d01", "d02"):
-        server.receive(clients[d].mask_input(np.zeros(cfg.length, dtype=np.uint64)))
+        for part in clients[d].mask_input(np.zeros(cfg.length, dtype=np.uint64)):
+            server.receive(part)
     reqs = server.close_masked_input()
     resp = clients["d00"].reveal(reqs["d00"])
     [(peer, round_seed)] = resp.seeds
@@ -1472,9 +1571,10 @@ def test_sparse_round_masks_only_the_kept_coordinates() -> None:
     run = Stepper(w, cfg, dense)
     fwd = run.share(run.advertise())
     for u, m in fwd.items():
-        mi = run.clients[u].mask_input(m, dense[u], coordinates=omega)
-        assert len(mi.payload_bytes) == (k * bits + 7) // 8
-        run.server.receive(mi)
+        parts = run.clients[u].mask_input(m, dense[u], coordinates=omega)
+        assert sum(len(p.data) for p in parts) == (k * bits + 7) // 8
+        for p in parts:
+            run.server.receive(p)
     reqs = run.server.close_masked_input()
     for u, m in reqs.items():
         run.server.receive(run.clients[u].unmask(m))

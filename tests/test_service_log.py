@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 import pytest
 
@@ -35,11 +34,11 @@ AGG = "aggregator"
 
 
 def _secagg_kind(topic: str, payload: bytes) -> str | None:
-    if topic.endswith("/down/plan"):
-        return "plan"
-    if not topic.endswith("/down/secagg"):
+    """The plan or secure-aggregation kind a downlink carries (its envelope's), else None."""
+    if "/down/" not in topic:
         return None
-    return msgpack.unpackb(msgpack.unpackb(payload)["data"])["kind"]
+    kind = wire.peek(payload, wire.DOWN_KINDS).kind
+    return kind if kind in wire.SECAGG_DOWN or kind == "plan" else None
 
 
 def run_scenario(tmp: Path, digits: Any) -> tuple[list[dict[str, Any]], dict[str, float]]:
@@ -91,7 +90,7 @@ def run_scenario(tmp: Path, digits: Any) -> tuple[list[dict[str, Any]], dict[str
             """Every delivery passes here: the scenario's faults, at chosen moments."""
             kind = _secagg_kind(topic, payload)
             if kind == "plan":
-                plan = wire.decode(payload)
+                plan = wire.decode(payload, wire.DOWN_KINDS)
                 assert isinstance(plan, wire.RoundPlan)
                 plans[plan.round_id] = plan
             rnd = max(plans, default=0)
@@ -107,7 +106,7 @@ def run_scenario(tmp: Path, digits: Any) -> tuple[list[dict[str, Any]], dict[str
                 broker.publish(names[1], Publish(wire.status_topic(FLEET, names[1]),
                                                  b"online"))
             if rnd == 2 and kind == "plan" and name == cohort[-1] and once("decline"):
-                d = wire.encode(wire.sign(wire.Decline(round_id=2, device=name,
+                d = wire.encode(wire.sign(wire.Decline(round_id=2, sender=name,
                                                        reason="budget"), idents[name]))
                 up(name, "decline", d)
                 up(name, "decline", d)  # the same again: a duplicate

@@ -27,7 +27,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 import pytest
 
@@ -303,13 +302,12 @@ class Freezer:
 
 
 def _secagg_kind(topic: str, payload: bytes) -> str | None:
-    if not topic.endswith("/down/secagg"):
-        return None
-    return msgpack.unpackb(msgpack.unpackb(payload)["data"])["kind"]
+    kind = topic.rsplit("/", 1)[1]
+    return kind if "/down/" in topic and kind in wire.SECAGG_DOWN else None
 
 
 def _model_version(payload: bytes) -> int:
-    msg = wire.decode(payload)
+    msg = wire.decode(payload, wire.ALL_KINDS)
     assert isinstance(msg, wire.ModelUpdate), msg
     return msg.version
 

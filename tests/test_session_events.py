@@ -42,13 +42,18 @@ def _plan(fleet: Fleet, round_id: int = 1, *, cohort: tuple[str, ...] = COHORT,
     d = sum(p.size for p in fleet.initial)
     cfg = secagg.RoundConfig.for_cohort(round_id=round_id, nonce=bytes([round_id]) * 32,
                                         cohort=list(cohort), bits=32, length=d)
+    params = wire.GaussianParams(steps=2, batch_size=8, lr=0.1, sampling="poisson", clip=1.0,
+                                 noise_multiplier=1.0, sparsity=1.0, quant_levels=0,
+                                 scale=2.0**10, value_bound=1.0)
     plan = wire.RoundPlan(
-        round_id=round_id, model_version=0, cohort=cfg.cohort, steps=2, batch_size=8, lr=0.1,
-        sampling="poisson", clip=1.0, noise_multiplier=1.0, sparsity=1.0,
-        round_seed=bytes(32), quant_levels=0, scale=2.0**10, value_bound=1.0, bits=32,
+        round_id=round_id, model_version=0, cohort=cfg.cohort, mechanism="gaussian",
+        params=params, round_seed=bytes(32), bits=32,
         length=d, nonce=cfg.nonce, degree=cfg.degree, threshold=cfg.threshold,
         min_survivors=cfg.threshold, max_colluders=1, stage_timeout=10.0)
-    return wire.sign(dataclasses.replace(plan, **changes), fleet.agg_id)
+    pfields = {f.name for f in dataclasses.fields(wire.GaussianParams)}
+    pchanges = {k: changes.pop(k) for k in list(changes) if k in pfields}
+    plan = dataclasses.replace(plan, params=dataclasses.replace(params, **pchanges), **changes)
+    return wire.sign(plan, fleet.agg_id)
 
 
 def _fresh(fleet: Fleet, name: str = ME) -> DeviceSession:
@@ -61,7 +66,7 @@ def _fresh(fleet: Fleet, name: str = ME) -> DeviceSession:
 
 def _decline_of(out: list[wire.Publish]) -> wire.Decline:
     assert [p.topic.rsplit("/", 1)[1] for p in out] == ["decline"]
-    msg = wire.decode(out[0].payload)
+    msg = wire.decode(out[0].payload, wire.UP_KINDS)
     assert isinstance(msg, wire.Decline)
     return msg
 
@@ -85,7 +90,7 @@ def test_connect_and_model_adoption(fleet) -> None:
                for e in first[1:])
     assert s.take_events() == []  # taken once
     out = s.on_connect(1.0)
-    ck = wire.decode(out[0].payload)
+    ck = wire.decode(out[0].payload, wire.UP_KINDS)
     assert s.take_events() == [CheckedIn(model_version=0, data_size=ck.data_size,
                                          remaining_epsilon=ck.remaining_epsilon)]
     retained = fleet.broker.retained[wire.model_topic(FLEET)]
@@ -114,7 +119,7 @@ def test_round_opened_once_and_a_redelivered_plan_emits_nothing(fleet) -> None:
     plan = _plan(fleet)
     raw = wire.encode(plan)
     out = s.on_message(PLAN_TOPIC, raw, 0.0)
-    assert [p.topic.rsplit("/", 1)[1] for p in out] == ["secagg"]
+    assert [p.topic.rsplit("/", 1)[1] for p in out] == ["advertise_keys"]
     assert s.take_events() == [RoundOpened(round_id=1, model_version=0, length=plan.length,
                                            cohort_size=len(COHORT))]
     assert s.on_message(PLAN_TOPIC, raw, 1.0) == out  # redelivered: the same answer
@@ -188,9 +193,11 @@ def test_colluder_floor(fleet) -> None:
     assert [type(e) for e in s.take_events()] == [RoundOpened]
     (res,) = fleet.ledgers[ME].reservations()
     assert res.plan.aggregate_event == res.plan.event
-    # a plan whose own max_colluders leaves no honest member is refused on decode: no event
-    bad = _plan(fleet, round_id=2, max_colluders=plan.threshold)
-    assert s.on_message(PLAN_TOPIC, wire.encode(bad), 1.0) == []
+    # a plan whose own max_colluders leaves no honest member cannot be built or signed (the
+    # schema checks it as a receiver would; the decode-side refusal of such bytes is in
+    # test_device_enforces): the session sees nothing and emits nothing
+    with pytest.raises(ValueError, match="max_colluders must be below"):
+        _plan(fleet, round_id=2, max_colluders=plan.threshold)
     assert s.take_events() == [] and s.round_id == 1
 
 
@@ -200,7 +207,7 @@ def test_rejected_messages_emit_nothing(fleet) -> None:
     for topic, payload in [(PLAN_TOPIC, forged), (PLAN_TOPIC, b"\xc1"),
                            (wire.model_topic(FLEET), b"\x80"),
                            (wire.device_down_topic(FLEET, ME, "error"), wire.encode(wire.sign(
-                               wire.ErrorNotice(round_id=1, device=ME, code="round_failed"),
+                               wire.ErrorNotice(round_id=1, recipient=ME, code="round_failed"),
                                fleet.agg_id)))]:  # no open round
         assert s.on_message(topic, payload, 0.0) == []
     assert s.take_events() == []
@@ -238,7 +245,7 @@ def test_silent_round_closes_on_tick(fleet) -> None:
 
 def test_error_notice_closes_the_round_with_its_code(fleet) -> None:
     s = _opened(fleet)
-    notice = wire.encode(wire.sign(wire.ErrorNotice(round_id=1, device=ME,
+    notice = wire.encode(wire.sign(wire.ErrorNotice(round_id=1, recipient=ME,
                                                     code="round_failed"), fleet.agg_id))
     out = s.on_message(wire.device_down_topic(FLEET, ME, "error"), notice, 1.0)
     assert [p.topic.rsplit("/", 1)[1] for p in out] == ["checkin"]
@@ -307,9 +314,9 @@ def test_upload_once_resent_on_redelivery_and_round_closed_contributed(
             assert [type(e) for e in ev] == ([RoundOpened] if n in plan.cohort else [])
         me = sorted(held)[0]
         s = fleet.sessions[me]
-        topic = wire.device_down_topic(FLEET, me, "secagg")
+        topic = wire.device_down_topic(FLEET, me, "forwarded_shares")
         out = s.on_message(topic, held[me], fleet.now)
-        parts = [p for p in out if p.topic.endswith("/up/chunk")]
+        parts = [p for p in out if p.topic.endswith("/up/masked_part")]
         assert parts == out and parts
         size = sum(len(p.payload) for p in out)
         assert s.take_events() == [Uploaded(round_id=plan.round_id, parts=len(out), size=size)]
@@ -331,7 +338,7 @@ def test_upload_once_resent_on_redelivery_and_round_closed_contributed(
             else:
                 assert [e.resent for e in uploads] == [False], n
                 assert uploads[0].size == sum(len(p) for sender, t, p in fleet.broker.sent
-                                              if sender == n and t.endswith("/up/chunk"))
+                                              if sender == n and t.endswith("/up/masked_part"))
             closed = [e for e in ev if isinstance(e, RoundClosed)]
             assert closed == [RoundClosed(round_id=o.round_id, reason="new model",
                                           uploaded=True, model_version=1)], n
@@ -350,9 +357,10 @@ def test_a_round_failed_after_the_upload_is_not_contributed(tmp_path, digits, en
         me = sorted(held)[0]
         s = fleet.sessions[me]
         s.take_events()
-        assert s.on_message(wire.device_down_topic(FLEET, me, "secagg"), held[me], fleet.now)
+        assert s.on_message(wire.device_down_topic(FLEET, me, "forwarded_shares"), held[me],
+                           fleet.now)
         assert [type(e) for e in s.take_events()] == [Uploaded]
-        notice = wire.encode(wire.sign(wire.ErrorNotice(round_id=1, device=me,
+        notice = wire.encode(wire.sign(wire.ErrorNotice(round_id=1, recipient=me,
                                                         code="round_failed"), fleet.agg_id))
         s.on_message(wire.device_down_topic(FLEET, me, "error"), notice, fleet.now)
         closed, checkin = s.take_events()
@@ -391,7 +399,8 @@ def test_device_adapter_reports_from_session_events(tmp_path, digits, engine) ->
                 assert agents[n].contributed == 0
                 continue
             assert kinds[2:] == ["round", "uploaded", "model", "round_end", "checkin"], n
-            chunks = [p for s, t, p in fleet.broker.sent if s == n and t.endswith("/up/chunk")]
+            chunks = [p for s, t, p in fleet.broker.sent
+                      if s == n and t.endswith("/up/masked_part")]
             assert rep[3] == {"event": "uploaded", "round": 1, "chunks": len(chunks),
                               "bytes": sum(len(p) for p in chunks)}
             assert rep[5] == {"event": "round_end", "round": 1, "contributed": True,

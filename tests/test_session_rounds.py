@@ -24,7 +24,6 @@ from edge_sdk.csprng import seeded_round_rng
 from edge_sdk.hazmat.ring import Ring
 from edge_sdk.ledger import Budget, Ledger
 from edge_sdk.model import init_params
-from edge_sdk.secagg import messages
 from edge_sdk.session import DeviceSession
 from tools.inproc import MemoryBroker, topic_matches
 
@@ -132,12 +131,11 @@ class Fleet:
 
 
 def _down_kind(topic: str, payload: bytes) -> str | None:
-    """The secagg (or plan) message kind a downlink carries."""
-    if "/down/plan" in topic:
-        return "plan"
-    if "/down/secagg" in topic:
-        return msgpack.unpackb(msgpack.unpackb(payload)["data"])["kind"]
-    return None
+    """The secagg (or plan) message kind a downlink carries (its envelope's)."""
+    if "/down/" not in topic:
+        return None
+    kind = wire.peek(payload, wire.DOWN_KINDS).kind
+    return kind if kind in wire.SECAGG_DOWN or kind == "plan" else None
 
 
 def _check_sums(fleet: Fleet) -> None:
@@ -170,7 +168,7 @@ def test_fleet_learns_with_secure_aggregation_and_dropouts(tmp_path, digits, eng
     def drop(name: str, topic: str, payload: bytes) -> bool:
         kind = _down_kind(topic, payload)
         if kind == "plan":
-            plan = wire.decode(payload)
+            plan = wire.decode(payload, wire.DOWN_KINDS)
             if plan.round_id not in seen_rounds:  # pick this round's victims in its cohort
                 seen_rounds.add(plan.round_id)
                 gone.clear()
@@ -305,7 +303,8 @@ def test_device_restart_mid_round_neither_double_spends_nor_uploads_twice(
     fleet.settle(until=lambda: len(fleet.machine.history) >= 1 and fleet.machine.stage == "idle")
     o = fleet.machine.history[0]
     assert o.completed and o.survivors.count(name) <= 1
-    chunks_after = [t for s, t, _ in fleet.broker.sent[before:] if s == name and "/up/chunk" in t]
+    chunks_after = [t for s, t, _ in fleet.broker.sent[before:]
+                    if s == name and "/up/masked_part" in t]
     assert chunks_after == []
     assert [r.plan.round_id for r in fleet.ledgers[name].reservations()] == [key]
     fleet.sessions[name] = old  # its input is the one in the sum
@@ -346,19 +345,21 @@ def test_bad_inputs_are_rejected_without_state_change(tmp_path, digits, engine, 
     outsider_in_fleet = next(d.device for d in fleet.ids if d.device not in plan.cohort)
     topic = wire.device_up_topic
     ck_topic, ck = up["checkin"][0]
-    adv_topic, adv = up["secagg"][0]
+    adv_topic, adv = up["advertise_keys"][0]
     adv_sender = adv_topic.split("/")[3]
-    # a masked input of the wrong length, properly signed by a cohort member
-    cfg = plan.round_config()
-    good = messages.MaskedInput(round_id=plan.round_id, sender=member, bits=plan.bits,
-                              count=plan.length - 1,
-                              payload_bytes=bytes(((plan.length - 1) * plan.bits + 7) // 8))
+    # a masked input of the wrong length, properly signed by a cohort member, in parts
+    cfg = secagg.RoundConfig.of_plan(plan)
     signer = fleet.ids[int(member[1:])]
-    wrong_shape = messages.encode_message(
-        messages._sign_with(good, signer, cfg.digest()))  # noqa: SLF001
-    wrong_round = msgpack.packb({**msgpack.unpackb(adv), "round_id": 99})
-    unsigned_ck = wire.encode(wire.CheckIn(device=member, data_size=1, remaining_epsilon=1.0,
-                                           model_version=0, sig=bytes(64)))
+    count = plan.length - 1
+    wrong_shape = [wire.encode(wire.sign(p, signer, context=cfg.digest()))
+                   for p in wire.split_masked(round_id=plan.round_id, sender=member,
+                                              bits=plan.bits, count=count,
+                                              data=bytes((count * plan.bits + 7) // 8),
+                                              max_packet=1024)]
+    wrong_round = msgpack.packb({**msgpack.unpackb(adv), "round": 99})
+    unsigned_ck = wire.encode(wire.CheckIn(round_id=0, sender=member, data_size=1,
+                                           remaining_epsilon=1.0, model_version=0,
+                                           sig=bytes(64)))
     nan_ck = msgpack.packb({**msgpack.unpackb(ck), "remaining_epsilon": float("nan")})
     bad: list[Any] = [
         (topic(FLEET, member, "checkin"), b"\x93garbage"),
@@ -370,21 +371,18 @@ def test_bad_inputs_are_rejected_without_state_change(tmp_path, digits, engine, 
         (topic(FLEET, "zz", "checkin"), ck),  # outsider
         (adv_topic, wrong_round),
         (adv_topic, adv),  # replay of an accepted message
-        (topic(FLEET, outsider_in_fleet, "secagg"),
-         wire.encode(wire.SecAggPacket(round_id=plan.round_id, device=outsider_in_fleet,
-                                       data=msgpack.unpackb(adv)["data"]))),
-        (topic(FLEET, member, "chunk"), b""),
-        [(topic(FLEET, member, "chunk"), wire.encode(c)) for c in wire.split_upload(
-            round_id=plan.round_id, device=member, data=wrong_shape, max_packet=1024)],
+        (topic(FLEET, outsider_in_fleet, "advertise_keys"),  # someone's advert, renamed
+         msgpack.packb({**msgpack.unpackb(adv), "from": outsider_in_fleet})),
+        (topic(FLEET, member, "masked_part"), b""),
+        [(topic(FLEET, member, "masked_part"), p) for p in wrong_shape],
         (topic(FLEET, outsider_in_fleet, "decline"), wire.encode(wire.sign(wire.Decline(
-            round_id=plan.round_id, device=outsider_in_fleet, reason="budget"),
+            round_id=plan.round_id, sender=outsider_in_fleet, reason="budget"),
             fleet.ids[int(outsider_in_fleet[1:])]))),  # not in the cohort
-        (topic(FLEET, member, "secagg"), wire.encode(wire.SecAggPacket(
-            round_id=plan.round_id, device=member, data=wrong_shape))),
+        (topic(FLEET, member, "advertise_keys"), wrong_shape[0]),  # a part on another topic
         (topic(FLEET, member, "model"), fleet.broker.retained[wire.model_topic(FLEET)]),
         (f"fedge/other/dev/{member}/up/checkin", ck),
         (topic(FLEET, adv_sender, "decline"), wire.encode(wire.sign(wire.Decline(
-            round_id=plan.round_id, device=adv_sender, reason="budget"), fleet.outsider))),
+            round_id=plan.round_id, sender=adv_sender, reason="budget"), fleet.outsider))),
     ]
     for case in bad:
         group = case if isinstance(case, list) else [case]  # a multi-chunk upload: one input
@@ -418,7 +416,7 @@ def test_device_ignores_forged_and_stray_messages(tmp_path, digits, engine, capl
         version=5, round_id=5, params=[params[0][:1], params[1]]), fleet.agg_id))
     for t, p in [(wire.model_topic(FLEET), forged), (wire.model_topic(FLEET), wrong_shape),
                  (wire.model_topic(FLEET), b"\xc1"),
-                 (wire.device_down_topic(FLEET, "d00", "secagg"), b"\x80")]:
+                 (wire.device_down_topic(FLEET, "d00", "neighbour_keys"), b"\x80")]:
         with caplog.at_level(logging.WARNING, logger="edge_sdk.session"):
             assert s.on_message(t, p, 0.0) == []
     assert s.model_version == 0 and all(np.array_equal(a, b) for a, b in

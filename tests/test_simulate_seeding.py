@@ -39,7 +39,7 @@ def _fleet_plans(fleet: Fleet) -> dict[int, tuple[tuple[str, ...], bytes]]:
     seen: dict[int, set[tuple[tuple[str, ...], bytes]]] = {}
     for sender, topic, payload in fleet.memory.sent:
         if sender == AGGREGATOR and topic.endswith("/plan"):
-            plan = wire.decode(payload)
+            plan = wire.decode(payload, wire.DOWN_KINDS)
             assert isinstance(plan, wire.RoundPlan)
             seen.setdefault(plan.round_id, set()).add((tuple(plan.cohort), plan.round_seed))
     assert all(len(v) == 1 for v in seen.values()), seen

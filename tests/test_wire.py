@@ -1,10 +1,13 @@
-"""The round's wire messages: round trips, golden vectors, truncations, garbage, chunking."""
+"""The round's wire messages (protocol 4): every kind on the one schema, golden vectors,
+signatures, truncations, garbage, the masked upload in parts."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -12,21 +15,31 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from aggregator.secagg_server import AmortizedSecAggServer, SecAggServer
 from edge_sdk import secagg, wire
 from edge_sdk.errors import RemoteProtocolError
+from edge_sdk.hazmat.ring import Ring
 from edge_sdk.wire import (
+    ALL_KINDS,
+    DOWN_KINDS,
+    PROTOCOL_VERSION,
+    SECAGG_DOWN,
+    SECAGG_UP,
+    UP_KINDS,
     CheckIn,
     Decline,
     ErrorNotice,
+    GaussianParams,
+    MaskedPart,
     ModelUpdate,
     Reassembler,
     RoundPlan,
-    SecAggPacket,
     WireArray,
     WireError,
     decode,
     encode,
-    split_upload,
+    peek,
+    split_masked,
 )
 
 GOLDEN = Path(__file__).parent / "golden" / "wire_vectors.json"
@@ -48,48 +61,108 @@ def _fixed_bytes(label: str):
 def _identities():
     agg = secagg.AggregatorIdentity.generate(random_bytes=_fixed_bytes("agg"))
     devs = [secagg.DeviceIdentity.generate(f"dev-{c}", random_bytes=_fixed_bytes(c))
-            for c in "abc"]
+            for c in "abcd"]
     return agg, devs, secagg.Registry.of(agg, devs)
 
 
-def golden_messages() -> dict[str, wire.WireMessage]:
-    """The fixed messages whose encodings ``tests/golden/wire_vectors.json`` pins."""
+def _config(amortized: bool = False) -> secagg.RoundConfig:
+    _, devs, _ = _identities()
+    return secagg.RoundConfig.for_cohort(
+        round_id=7, nonce=bytes(range(32)), cohort=[d.device for d in devs], bits=32, length=5,
+        amortized=amortized)
+
+
+def _secagg_messages() -> dict[str, wire.Message]:
+    """One message of every SecAgg kind, from a real round (dev-d vanishes before its
+    upload) and a real amortized round; deterministic (fixed key material, Ed25519)."""
+    agg, devs, reg = _identities()
+    cfg = _config()
+    clients = {d.device: secagg.SecAggClient(identity=d, registry=reg, config=cfg,
+                                             random_bytes=_fixed_bytes(f"client/{d.device}"))
+               for d in devs}
+    server = SecAggServer(identity=agg, registry=reg, config=cfg)
+    out: dict[str, wire.Message] = {}
+    for c in clients.values():
+        m = c.advertise()
+        out.setdefault(m.KIND, m)
+        server.receive(m)
+    for dev, nk in server.close_advertise().items():
+        out.setdefault(nk.KIND, nk)
+        m = clients[dev].share_keys(nk)
+        out.setdefault(m.KIND, m)
+        server.receive(m)
+    x = np.arange(5, dtype=np.uint64)
+    for dev, fwd in server.close_share_keys().items():
+        out.setdefault(fwd.KIND, fwd)
+        if dev == "dev-d":
+            continue
+        for part in clients[dev].mask_input(fwd, x, max_packet=1024):
+            out.setdefault(part.KIND, part)
+            server.receive(part)
+    req = server.close_masked_input()["dev-a"]
+    out[req.KIND] = req
+    out["unmask_response"] = clients["dev-a"].unmask(req)
+    acfg = _config(amortized=True)
+    seeds = {d.device: secagg.PairwiseSeeds(identity=d, registry=reg) for d in devs}
+    aserver = AmortizedSecAggServer(identity=agg, registry=reg, config=acfg)
+    aclients = {d.device: secagg.AmortizedSecAggClient(identity=d, registry=reg, config=acfg,
+                                                       seeds=seeds[d.device]) for d in devs}
+    for dev in ("dev-a", "dev-b", "dev-c"):
+        for part in aclients[dev].mask_input(x):
+            aserver.receive(part)
+    rr = aserver.close_masked_input()["dev-a"]
+    out[rr.KIND] = rr
+    out["reveal_response"] = aclients["dev-a"].reveal(rr)
+    return out
+
+
+def golden_messages() -> dict[str, wire.Message]:
+    """A fixed message of every kind, whose encodings ``tests/golden/wire_vectors.json``
+    pins."""
     agg, devs, _ = _identities()
-    cfg = secagg.RoundConfig.for_cohort(round_id=7, nonce=bytes(range(32)),
-                                        cohort=[d.device for d in devs], bits=32, length=5)
-    client = secagg.SecAggClient(identity=devs[0], registry=secagg.Registry.of(agg, devs),
-                                 config=cfg, random_bytes=_fixed_bytes("client"))
+    cfg = _config()
+    params = GaussianParams(steps=10, batch_size=16, lr=0.5, sampling="poisson", clip=1.0,
+                            noise_multiplier=0.8, sparsity=0.5, quant_levels=0,
+                            scale=2.0**16, value_bound=8.0)
     plan = RoundPlan(
-        round_id=7, model_version=3, cohort=cfg.cohort, steps=10, batch_size=16, lr=0.5,
-        sampling="poisson", clip=1.0, noise_multiplier=0.8, sparsity=0.5,
-        round_seed=bytes(range(32, 64)), quant_levels=0, scale=2.0**16, value_bound=8.0,
-        bits=32, length=5, nonce=cfg.nonce, degree=cfg.degree, threshold=cfg.threshold,
-        min_survivors=2, max_colluders=1, stage_timeout=30.0)
+        round_id=7, model_version=3, cohort=cfg.cohort, mechanism="gaussian", params=params,
+        round_seed=bytes(range(32, 64)), bits=32, length=5, nonce=cfg.nonce,
+        degree=cfg.degree, threshold=cfg.threshold, min_survivors=2, max_colluders=1,
+        stage_timeout=30.0)
     return {
-        "checkin": wire.sign(CheckIn(device="dev-a", data_size=72, remaining_epsilon=7.5,
-                                     model_version=3), devs[0]),
+        "checkin": wire.sign(CheckIn(round_id=6, sender="dev-a", data_size=72,
+                                     remaining_epsilon=7.5, model_version=3), devs[0]),
         "plan": wire.sign(plan, agg),
-        "decline": wire.sign(Decline(round_id=7, device="dev-b", reason="budget",
+        "decline": wire.sign(Decline(round_id=7, sender="dev-b", reason="budget",
                                      detail="eps 9.1 > 8"), devs[1]),
-        "secagg_advertise": SecAggPacket.wrap(client.advertise()),
-        "chunk": split_upload(round_id=7, device="dev-a", data=bytes(range(200)) * 5,
-                              max_packet=600)[1],
         "model": wire.sign(ModelUpdate.of(version=4, round_id=7, params=[
             np.arange(6, dtype=np.float32).reshape(2, 3) / 4, np.array([-1.5], np.float32)]),
             agg),
-        "error": wire.sign(ErrorNotice(round_id=7, device="dev-c", code="round_failed",
+        "error": wire.sign(ErrorNotice(round_id=7, recipient="dev-c", code="round_failed",
                                        detail="2 of 3 survived, need 3"), agg),
+        **_secagg_messages(),
     }
 
 
 def write_golden() -> None:
     GOLDEN.write_text(json.dumps({k: encode(m).hex() for k, m in golden_messages().items()},
-                                 indent=1) + "\n")
+                                 indent=1, sort_keys=True) + "\n")
 
 
 @pytest.fixture(scope="module")
-def messages() -> dict[str, wire.WireMessage]:
+def messages() -> dict[str, wire.Message]:
     return golden_messages()
+
+
+KIND_NAMES = sorted(ALL_KINDS)
+
+
+def test_every_kind_has_a_golden_vector(messages) -> None:
+    assert sorted(messages) == KIND_NAMES
+    assert all(m.KIND == k for k, m in messages.items())
+    assert set(UP_KINDS) | set(DOWN_KINDS) | {"model"} == set(ALL_KINDS)
+    assert not set(UP_KINDS) & set(DOWN_KINDS)
+    assert set(SECAGG_UP) <= set(UP_KINDS) and set(SECAGG_DOWN) <= set(DOWN_KINDS)
 
 
 def test_golden_vectors_encode_and_decode(messages) -> None:
@@ -97,30 +170,91 @@ def test_golden_vectors_encode_and_decode(messages) -> None:
     assert sorted(vectors) == sorted(messages)
     for name, msg in messages.items():
         assert encode(msg).hex() == vectors[name], name
-        assert decode(bytes.fromhex(vectors[name])) == msg, name
+        assert decode(bytes.fromhex(vectors[name]), ALL_KINDS) == msg, name
 
 
-def test_signatures_verify_and_bind_every_field(messages) -> None:
+def test_golden_vectors_carry_the_protocol_version() -> None:
+    """Every stored vector is a v4 envelope of its kind (one version for every kind: the
+    SecAgg kinds included), and the decoder refuses it under any other version."""
+    assert PROTOCOL_VERSION == 4
+    for name, hexed in json.loads(GOLDEN.read_text()).items():
+        raw = msgpack.unpackb(bytes.fromhex(hexed), raw=False)
+        assert type(raw["v"]) is int and raw["v"] == PROTOCOL_VERSION, name
+        assert raw["kind"] == name and isinstance(raw["round"], int)
+        for v in (2, 3, 5, 4.0, True):
+            with pytest.raises(WireError, match="protocol version must be 4"):
+                decode(msgpack.packb({**raw, "v": v}, use_bin_type=True), ALL_KINDS)
+
+
+def _context(msg: wire.Message) -> bytes:
+    return _config(amortized=msg.KIND.startswith("reveal")).digest() if msg.CONTEXT_BYTES \
+        else b""
+
+
+@pytest.mark.parametrize("name", KIND_NAMES)
+def test_signatures_verify_and_bind_every_field_and_the_round(messages, name: str) -> None:
     _, _, reg = _identities()
-    wire.verify(messages["checkin"], reg, "dev-a")
-    wire.verify(messages["plan"], reg, None)
-    with pytest.raises(RemoteProtocolError, match="bad signature"):
-        wire.verify(messages["checkin"], reg, "dev-b")
-    from dataclasses import replace
-    forged = replace(messages["plan"], noise_multiplier=0.0)
-    with pytest.raises(RemoteProtocolError, match="bad signature from the aggregator"):
-        wire.verify(forged, reg, None)
+    msg = messages[name]
+    ctx = _context(msg)
+    reg.verify_message(msg, context=ctx)
+    if ctx:  # another round configuration's digest: the signature does not carry over
+        with pytest.raises(RemoteProtocolError, match="bad signature"):
+            reg.verify_message(msg, context=hashlib.sha256(ctx).digest())
+    raw = msg.to_wire()
+    for key in sorted(set(raw) - {"v", "kind", "sig"}):
+        other = _another(raw[key])
+        try:
+            forged = type(msg).from_wire({**raw, key: other})
+        except WireError:
+            continue  # no other valid value of this shape
+        with pytest.raises(RemoteProtocolError, match="bad signature"):
+            reg.verify_message(forged, context=ctx)
 
 
-@pytest.mark.parametrize("name", ["checkin", "plan", "decline", "secagg_advertise", "chunk",
-                                  "model", "error"])
+def _another(v: Any) -> Any:
+    """A different value of the same wire shape (for the binding test)."""
+    if isinstance(v, bool):
+        return not v
+    if isinstance(v, int):
+        return v + 1 if v < 5 else v - 1
+    if isinstance(v, float):
+        return v / 2
+    if isinstance(v, bytes):
+        return bytes([v[0] ^ 1]) + v[1:] if v else v
+    if isinstance(v, str):
+        return {"dev-a": "dev-b", "dev-b": "dev-a"}.get(v, v[:-1] + "x" if v else "x")
+    if isinstance(v, list):
+        return v[:-1] if v else v
+    if isinstance(v, dict):
+        return {k: _another(x) for k, x in v.items()}
+    return v
+
+
+@pytest.mark.parametrize("name", KIND_NAMES)
 def test_every_truncated_prefix_is_rejected(messages, name: str) -> None:
     raw = encode(messages[name])
     for n in range(len(raw)):
         with pytest.raises(WireError):
-            decode(raw[:n])
+            decode(raw[:n], ALL_KINDS)
     with pytest.raises(WireError, match="malformed"):
-        decode(raw + b"\x00")  # trailing bytes
+        decode(raw + b"\x00", ALL_KINDS)  # trailing bytes
+
+
+@pytest.mark.parametrize("name", KIND_NAMES)
+def test_peek_reads_the_envelope(messages, name: str) -> None:
+    msg = messages[name]
+    head = peek(encode(msg), ALL_KINDS)
+    assert (head.kind, head.round) == (name, msg.round_id)
+    assert head.sender == getattr(msg, "sender", None)
+    assert head.recipient == getattr(msg, "recipient", None)
+
+
+def test_endpoints_refuse_the_other_directions_kinds(messages) -> None:
+    for name, msg in messages.items():
+        for kinds in (UP_KINDS, DOWN_KINDS):
+            if name not in kinds:
+                with pytest.raises(WireError, match="unknown message kind"):
+                    decode(encode(msg), kinds)
 
 
 def test_arrays_round_trip_bit_for_bit_and_reject_non_finite() -> None:
@@ -134,59 +268,71 @@ def test_arrays_round_trip_bit_for_bit_and_reject_non_finite() -> None:
     obj = m.to_wire()
     obj["arrays"][0]["data"] = np.array([0, np.nan, 0, 0], "<f4").tobytes()
     with pytest.raises(WireError, match=r"nan.*flat index 1"):
-        decode(msgpack.packb(obj, use_bin_type=True))
+        decode(msgpack.packb(obj, use_bin_type=True), ALL_KINDS)
 
 
-def _mutate(msg: wire.WireMessage, **changes) -> bytes:
+def _mutate(msg: wire.Message, **changes) -> bytes:
     obj = msg.to_wire()
-    obj.update(changes)
+    for k, v in changes.items():
+        if isinstance(v, dict) and isinstance(obj.get(k), dict):
+            obj[k] = {**obj[k], **v}
+        else:
+            obj[k] = v
     return msgpack.packb(obj, use_bin_type=True)
 
 
 @pytest.mark.parametrize(("name", "changes", "match"), [
-    ("checkin", {"v": 2}, "protocol version must be 3"),  # protocol 2 is refused
+    ("checkin", {"v": 3}, "protocol version must be 4"),  # protocol 3 is refused
     ("checkin", {"v": True}, "protocol version"),
     ("checkin", {"kind": "nope"}, "unknown message kind"),
-    ("checkin", {"device": "a/+"}, "field 'device'"),
+    ("checkin", {"from": "a/+"}, "field 'from'"),
     ("checkin", {"remaining_epsilon": float("nan")}, "remaining_epsilon"),
     ("checkin", {"data_size": -1}, "data_size"),
     ("checkin", {"extra": 1}, "unexpected"),
-    ("plan", {"clip": float("inf")}, "'clip' must be finite"),
-    ("plan", {"sparsity": 1.5}, "sparsity"),
+    ("plan", {"params": {"clip": float("inf")}}, "clip"),
+    ("plan", {"params": {"sparsity": 1.5}}, "sparsity"),
+    ("plan", {"params": {"sampling": "x" * 1000}}, "at most 256"),
+    ("plan", {"mechanism": "ddg"}, "field 'mechanism'"),
     ("plan", {"threshold": 1}, "secagg parameters"),
-    ("plan", {"cohort": ["dev-b", "dev-a", "dev-c"]}, "sorted"),
-    ("plan", {"sampling": "x" * 1000}, "at most 256"),
+    ("plan", {"degree": 1}, "degree"),
+    ("plan", {"cohort": ["dev-b", "dev-a", "dev-c", "dev-d"]}, "sorted"),
     ("plan", {"min_survivors": 3000}, "min_survivors"),
+    ("plan", {"max_colluders": 2}, "max_colluders"),
     ("plan", {"round_seed": b"short"}, "round_seed"),
     ("decline", {"detail": 5}, "detail"),
-    ("chunk", {"index": 5}, "index"),
-    ("chunk", {"data": b"x" * 2000}, "at most"),
+    ("masked_part", {"part": 5}, "part 5 must be below parts"),
+    ("masked_part", {"data": b"x" * 2000}, "exceeds the whole vector"),
+    ("masked_part", {"count": 1 << 40}, "count"),
+    ("masked_part", {"digest": b"x"}, "digest"),
     ("model", {"arrays": []}, "arrays"),
-    ("model", {"arrays": [{"dtype": "<f4", "shape": [1 << 40], "data": b""}]}, "array sizes"),
+    ("model", {"arrays": [{"dtype": "<f4", "shape": [1 << 40], "data": b""}]}, "shape"),
     ("model", {"arrays": [{"dtype": "object", "shape": [1], "data": b""}]}, "dtype"),
     ("model", {"arrays": [{"dtype": "<f4", "shape": [3], "data": b"\0" * 8}]}, "takes 12"),
-    ("secagg_advertise", {"round_id": 8}, "round 7"),
-    ("secagg_advertise", {"data": b"\x80"}, "secagg"),
+    ("advertise_keys", {"mask_key": b"\0" * 31}, "mask_key"),
+    ("share_keys", {"shares": [{"v": 4}]}, "shares"),
+    ("unmask_response", {"mask_key_shares": [["dev-d", b"\0"]]}, "mask_key_shares"),
+    ("unmask_request", {"dropped": ["dev-d", "dev-d"]}, "distinct"),
+    ("error", {"to": "+"}, "field 'to'"),
 ])
 def test_bad_fields_are_named(messages, name, changes, match) -> None:
     with pytest.raises(WireError, match=match):
-        decode(_mutate(messages[name], **changes))
+        decode(_mutate(messages[name], **changes), ALL_KINDS)
 
 
 def test_limits_are_enforced() -> None:
     big = msgpack.packb({"v": wire.PROTOCOL_VERSION, "kind": "checkin", "pad": b"x" * 100})
     with pytest.raises(WireError, match="exceeds"):
-        decode(big, limits=wire.Limits(max_message_bytes=64))
+        decode(big, ALL_KINDS, limits=wire.Limits(max_message_bytes=64))
     # a length prefix claiming 4 GiB of bin data in a 10-byte message
     with pytest.raises(WireError, match="malformed"):
-        decode(b"\x81\xa1v\xc6\xff\xff\xff\xff\x00\x00")
+        decode(b"\x81\xa1v\xc6\xff\xff\xff\xff\x00\x00", ALL_KINDS)
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=300))
 def test_garbage_never_crashes(data: bytes) -> None:
     try:
-        decode(data)
+        decode(data, ALL_KINDS)
     except WireError:
         pass
 
@@ -196,7 +342,7 @@ _leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1),
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.sampled_from(["checkin", "plan", "decline", "chunk", "model", "error", "secagg"]),
+@given(st.sampled_from(KIND_NAMES),
        st.dictionaries(st.text(max_size=12), st.recursive(
            _leaf, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c,
                                                                       max_size=4),
@@ -204,81 +350,157 @@ _leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1),
 def test_structured_garbage_never_crashes(kind: str, fields: dict) -> None:
     obj = {**fields, "v": wire.PROTOCOL_VERSION, "kind": kind}
     try:
-        decode(msgpack.packb(obj, use_bin_type=True))
+        decode(msgpack.packb(obj, use_bin_type=True), ALL_KINDS)
     except WireError:
         pass
 
 
-@settings(max_examples=100, deadline=None)
-@given(st.sampled_from(["checkin", "plan", "decline", "secagg_advertise", "chunk", "model",
-                        "error"]), st.data())
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(KIND_NAMES), st.data())
 def test_field_deletion_and_retyping_is_rejected(name: str, data) -> None:
-    obj = golden_messages()[name].to_wire()
+    obj = dict(golden_wire()[name])
     key = data.draw(st.sampled_from(sorted(k for k in obj if k not in ("v", "kind"))))
     if data.draw(st.booleans()):
         del obj[key]
     else:
         obj[key] = data.draw(_leaf.filter(lambda v: type(v) is not type(obj[key])))
     with pytest.raises(WireError):
-        decode(msgpack.packb(obj, use_bin_type=True))
+        decode(msgpack.packb(obj, use_bin_type=True), ALL_KINDS)
+
+
+_GOLDEN_WIRE: dict[str, dict[str, Any]] = {}
+
+
+def golden_wire() -> dict[str, dict[str, Any]]:
+    if not _GOLDEN_WIRE:
+        _GOLDEN_WIRE.update({k: m.to_wire() for k, m in golden_messages().items()})
+    return _GOLDEN_WIRE
 
 
 def test_encode_refuses_unsigned() -> None:
     with pytest.raises(ValueError, match="signed before"):
-        encode(CheckIn(device="d", data_size=1, remaining_epsilon=1.0, model_version=0))
+        encode(CheckIn(round_id=0, sender="d", data_size=1, remaining_epsilon=1.0,
+                       model_version=0))
 
 
-# ----------------------------------------------------------------------- chunking
+_NAME_CHARS = st.characters(codec="utf-8", exclude_categories=("Cs",))
 
 
-@pytest.mark.parametrize("max_packet", [512, 4096, wire.DEFAULT_MAX_PACKET])
-def test_chunks_fit_the_packet_and_reassemble(max_packet: int) -> None:
-    data = np.random.default_rng(1).bytes(70_000)
-    chunks = split_upload(round_id=3, device="d" * 64, data=data, max_packet=max_packet)
-    assert all(len(encode(c)) <= max_packet for c in chunks)
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(st.text(alphabet="ab09_.-", min_size=1, max_size=70),
+                 st.text(_NAME_CHARS, max_size=70)))
+def test_one_naming_rule_for_topics_messages_and_identities(name: str) -> None:
+    """Topics, the schema's Name fields, device identities and the registry accept exactly
+    the same names (plan15 R11: 1-64 of [A-Za-z0-9_.-])."""
+    ok = wire.schema.NAME_PATTERN.fullmatch(name) is not None
+    agg = secagg.AggregatorIdentity.generate(random_bytes=_fixed_bytes("agg"))
+    key = secagg.DeviceIdentity.generate("ok", random_bytes=_fixed_bytes("ok")).enrollment()
+    doc = {"aggregator_key": agg.public_key.hex(),
+           "devices": {name: {"sign_key": key.sign_key.hex(),
+                              "agree_key": key.agree_key.hex()}}}
+    checks = [
+        lambda: wire.check_name("device", name),
+        lambda: secagg.DeviceIdentity.generate(name),
+        lambda: secagg.Registry.from_json(doc),
+        lambda: decode(msgpack.packb({**golden_wire()["checkin"], "from": name}), UP_KINDS),
+    ]
+    for check in checks:
+        try:
+            check()
+            accepted = True
+        except (ValueError, WireError) as e:
+            assert "[A-Za-z0-9_.-]" in str(e)
+            accepted = False
+        assert accepted == ok, (name, check)
+
+
+# ----------------------------------------------------------------------- masked parts
+
+
+def _packed(count: int, bits: int, seed: int = 1) -> bytes:
+    rng = np.random.default_rng(seed)
+    return Ring(bits=bits).pack(rng.integers(0, 1 << bits, size=count, dtype=np.uint64))
+
+
+def _signed_parts(data: bytes, *, count: int, bits: int, max_packet: int, sender: str = "d"):
+    key = secagg.DeviceIdentity.generate(sender, random_bytes=_fixed_bytes(sender))
+    return [wire.sign(p, key, context=bytes(32))
+            for p in split_masked(round_id=3, sender=sender, bits=bits, count=count,
+                                  data=data, max_packet=max_packet)]
+
+
+@pytest.mark.parametrize("max_packet", [1024, 4096, wire.DEFAULT_MAX_PACKET])
+def test_parts_fit_the_packet_and_join_to_the_raw_residues(max_packet: int) -> None:
+    count, bits = 30_001, 20
+    data = _packed(count, bits)
+    parts = _signed_parts(data, count=count, bits=bits, max_packet=max_packet,
+                          sender="d" * 64)
+    assert all(len(encode(p)) <= max_packet for p in parts)
+    assert b"".join(p.data for p in parts) == data  # raw bytes: no msgpack inside
     r = Reassembler()
-    order = np.random.default_rng(2).permutation(len(chunks))
-    got = [r.add(decode(encode(chunks[i]))) for i in order]
-    assert got[-1] == data and all(g is None for g in got[:-1])
+    order = np.random.default_rng(2).permutation(len(parts))
+    got = [r.add(decode(encode(parts[i]), UP_KINDS)) for i in order]  # type: ignore[arg-type]
+    whole = got[-1]
+    assert whole is not None and all(g is None for g in got[:-1])
+    assert (whole.data, whole.count, whole.bits, whole.sender) == (data, count, bits, "d" * 64)
     assert r.bytes_held == 0
-    # duplicates, also after completion, are ignored
-    assert r.add(chunks[0]) is None
+    assert r.add(parts[0]) is None  # duplicates, also after completion, are ignored
+
+
+def test_split_refuses_a_wrong_length_or_a_tiny_packet() -> None:
+    with pytest.raises(ValueError, match="pack into 3 bytes"):
+        split_masked(round_id=1, sender="d", bits=12, count=2, data=b"\0" * 4)
+    with pytest.raises(ValueError, match="max_packet"):
+        split_masked(round_id=1, sender="d", bits=8, count=1, data=b"\0", max_packet=512)
 
 
 def test_reassembler_rejects_conflicts_and_bounds_memory() -> None:
-    data = bytes(range(256)) * 10
-    chunks = split_upload(round_id=1, device="a", data=data, max_packet=1024)
+    data = _packed(1000, 24)  # 3000 bytes: 5 parts of at most 640
+    parts = _signed_parts(data, count=1000, bits=24, max_packet=1024, sender="a")
     r = Reassembler(max_pending=1, max_bytes=1500)
-    assert r.add(chunks[0]) is None
-    assert r.add(chunks[0]) is None  # exact duplicate
-    from dataclasses import replace
+    assert r.add(parts[0]) is None
+    assert r.add(parts[0]) is None  # exact duplicate
     with pytest.raises(WireError, match="different bytes"):
-        r.add(replace(chunks[0], data=b"\x00" * len(chunks[0].data)))
+        r.add(replace(parts[0], data=b"\x00" * len(parts[0].data)))
     with pytest.raises(WireError, match="another upload"):
-        r.add(replace(chunks[1], digest=bytes(32)))
-    other = split_upload(round_id=1, device="b", data=b"xy", max_packet=1024)[0]
+        r.add(replace(parts[1], digest=bytes(32)))
+    with pytest.raises(WireError, match="another upload"):
+        r.add(replace(parts[1], bits=23))
+    other = _signed_parts(b"xy", count=2, bits=8, max_packet=1024, sender="b")[0]
     with pytest.raises(WireError, match="too many uploads"):
         r.add(other)
+    r.add(parts[1])
     with pytest.raises(WireError, match="buffer full"):
-        r.add(chunks[1])
+        r.add(parts[2])
     held = r.to_state()
     r2 = Reassembler()
-    r2.load_state(held)
-    assert r2.bytes_held == r.bytes_held == len(chunks[0].data)
-    for c in chunks[1:]:
-        out = r2.add(c)
-    assert out == data
+    r2.load_state(msgpack.unpackb(msgpack.packb(held, use_bin_type=True), raw=False))
+    assert r2.bytes_held == r.bytes_held == len(parts[0].data) + len(parts[1].data)
+    for p in parts[2:]:
+        out = r2.add(p)
+    assert out is not None and out.data == data
 
 
 def test_reassembler_drops_an_upload_with_a_wrong_digest() -> None:
-    chunks = split_upload(round_id=1, device="a", data=b"abcdef" * 200, max_packet=1024)
-    from dataclasses import replace
-    forged = [replace(c, digest=hashlib.sha256(b"x").digest()) for c in chunks]
+    data = _packed(1000, 24)
+    parts = _signed_parts(data, count=1000, bits=24, max_packet=1024, sender="a")
+    forged = [replace(p, digest=hashlib.sha256(b"x").digest()) for p in parts]
     r = Reassembler()
-    r.add(forged[0])
+    for p in forged[:-1]:
+        assert r.add(p) is None
     with pytest.raises(WireError, match="digest"):
-        r.add(forged[1])
+        r.add(forged[-1])
     assert r.bytes_held == 0
+
+
+def test_masked_part_signature_binds_the_round_configuration() -> None:
+    data = _packed(10, 32)
+    [part] = _signed_parts(data, count=10, bits=32, max_packet=1024, sender="d")
+    key = secagg.DeviceIdentity.generate("d", random_bytes=_fixed_bytes("d"))
+    wire.verify(part, key.enrollment().sign_key, context=bytes(32))
+    with pytest.raises(RemoteProtocolError, match="bad signature"):
+        wire.verify(part, key.enrollment().sign_key, context=bytes(31) + b"\x01")
+    assert isinstance(part, MaskedPart)
 
 
 if __name__ == "__main__":  # regenerate the golden vectors (review the diff!)

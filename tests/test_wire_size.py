@@ -1,20 +1,45 @@
-"""Exact byte counts of an update message."""
+"""Exact byte counts of an upload: ``wire.upload_sizes`` against encoded messages, and the
+MQTT v5 PUBLISH size by hand."""
 
 from __future__ import annotations
 
-import msgpack
+from dataclasses import replace
 
-from edge_sdk.wire import PROTOCOL_VERSION, encode_update, mqtt_publish_size, update_topic
+import numpy as np
+import pytest
+
+from edge_sdk.hazmat.ring import Ring
+from edge_sdk.wire import (
+    DEFAULT_MAX_PACKET,
+    device_up_topic,
+    encode,
+    mqtt_publish_size,
+    split_masked,
+    upload_sizes,
+)
 
 
-def test_update_round_trips_and_carries_the_version() -> None:
-    raw = encode_update(round_id=3, device="d7", encoding="f32", count=2, payload=b"\x00" * 8)
-    msg = msgpack.unpackb(raw, raw=False)
-    assert msg["v"] == PROTOCOL_VERSION and msg["payload"] == b"\x00" * 8 and msg["n"] == 2
+@pytest.mark.parametrize(("count", "bits", "max_packet"),
+                         [(1, 1, 1024), (10, 32, 1024), (100_000, 32, DEFAULT_MAX_PACKET),
+                          (70_001, 20, 4096)])
+def test_upload_sizes_are_the_encoded_parts(count: int, bits: int, max_packet: int) -> None:
+    data = Ring(bits=bits).pack(np.zeros(count, dtype=np.uint64))
+    parts = split_masked(round_id=1, sender="d7", bits=bits, count=count, data=data,
+                         max_packet=max_packet)
+    topic = device_up_topic("f", "d7", "masked_part")
+    on_wire = sum(mqtt_publish_size(topic, len(encode(replace(p, sig=bytes(64)))))
+                  for p in parts)
+    payload, framing = upload_sizes(count, bits, max_packet=max_packet, fleet="f",
+                                    device="d7")
+    assert payload == len(data) == (count * bits + 7) // 8
+    assert payload + framing == on_wire
+    # every part carries a signature, a digest and its envelope: framing is real, not zero
+    assert framing >= len(parts) * (64 + 32 + len(topic))
+    assert all(len(encode(replace(p, sig=bytes(64)))) <= max_packet for p in parts)
 
 
 def test_mqtt_publish_size_by_hand() -> None:
-    topic = update_topic("f", "d")  # "fedge/f/dev/d/up/update": 23 bytes
+    topic = device_up_topic("f", "d", "update")  # "fedge/f/dev/d/up/update": 23 bytes
     assert len(topic) == 23
     # remaining = 2 + 23 + 2 (packet id) + 1 (empty properties) + 100 = 128 -> 2-byte varint
     assert mqtt_publish_size(topic, 100) == 1 + 2 + 128

@@ -415,12 +415,12 @@ def _model_finding(config: Any, probe: _Probe, registry: Any, timeout: float) ->
                        fix="start the aggregator (systemctl start fedge-aggregator on the "
                            "gateway): it publishes the model, retained, when it starts")
     try:
-        msg = wire.decode(probe.model)
+        msg = wire.decode(probe.model, wire.MODEL_KINDS)
         if not isinstance(msg, wire.ModelUpdate):
             raise RemoteProtocolError(f"a {msg.KIND} message on the model topic")
         if registry is None:
             raise RemoteProtocolError("no registry to check the aggregator's signature with")
-        wire.verify(msg, registry, None)
+        registry.verify_message(msg)
     except RemoteProtocolError as e:
         return Finding(check="model", ok=False, message=f"the retained model: {e}",
                        fix="the registry.json on the device must be the fleet's current one "

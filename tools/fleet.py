@@ -219,7 +219,7 @@ class DeviceAgent:
                 self._stash_error = payload
             return []
         if kind == "plan" and self.schedule is not None and round_id is not None:
-            plan = wire.decode(payload)
+            plan = wire.decode(payload, wire.DOWN_KINDS)
             stage = self.schedule.victims(round_id, plan.cohort).get(self.name)  # type: ignore[attr-defined]
             self._target = None if stage is None else (round_id, stage)
         if self._target is not None and self._target[0] == round_id \
@@ -236,18 +236,15 @@ class DeviceAgent:
     # -- helpers -----------------------------------------------------------------------
 
     def _peek(self, kind: str, payload: bytes) -> tuple[int | None, str]:
-        """(round id, message kind: plan / a secagg kind / error) of a downlink, read
-        before the session sees it (session events come only after)."""
-        if kind not in ("plan", "secagg", "error"):
+        """(round id, message kind: plan / a secagg kind / error) of a downlink, from its
+        envelope (``wire.peek``)."""
+        if kind not in wire.DOWN_KINDS:
             return None, kind
         try:
-            msg = wire.decode(payload)
-            round_id = int(msg.round_id)  # type: ignore[attr-defined]
-            if isinstance(msg, wire.SecAggPacket):
-                return round_id, msg.message().KIND
-        except (RemoteProtocolError, AttributeError):
+            head = wire.peek(payload, wire.DOWN_KINDS)
+        except RemoteProtocolError:
             return None, kind  # the session logs and ignores it
-        return round_id, kind
+        return head.round, head.kind
 
     def _out(self, out: list[Publish]) -> list[Publish]:
         self.events.extend(self.session.take_events())

@@ -49,7 +49,7 @@ import math
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -82,7 +82,8 @@ from edge_sdk.train import (
     local_round_ddg,
     local_round_update_noise,
 )
-from edge_sdk.wire import encode_update, mqtt_publish_size, update_topic
+from edge_sdk.wire import ModelUpdate, mqtt_publish_size, upload_sizes
+from edge_sdk.wire import encode as wire_encode
 from models import manifest_path
 from tools.broker import device_names
 from tools.datasets import load_dataset
@@ -149,6 +150,13 @@ def round_draws(seed: int, devices: int, cohort_size: int, rounds: int
         yield rnd, tuple(index[n] for n in cohort), round_seed
 
 
+def _upload_bytes(count: int, bits: int, device: int) -> tuple[int, int]:
+    """(payload, overhead) bytes of one upload of ``count`` values of ``bits`` each, as the
+    wire carries it: signed ``masked_part`` s of the packed bytes under MQTT v5 headers
+    (``wire.upload_sizes`` encodes real messages)."""
+    return upload_sizes(count, bits, fleet="sim", device=f"d{device}")
+
+
 def _upload(values: np.ndarray, cfg: SimConfig, rng: np.random.Generator, rnd: int,
             device: int) -> tuple[np.ndarray, int, int]:
     """What the aggregator decodes from one device's upload, and (payload, overhead) bytes."""
@@ -156,15 +164,10 @@ def _upload(values: np.ndarray, cfg: SimConfig, rng: np.random.Generator, rnd: i
         q = compress.quantize(values, cfg.quant_levels, rng)
         payload = compress.pack_quantized(q)
         decoded = compress.dequantize(q)
-        encoding = f"qsgd{cfg.quant_levels}"
     else:
         decoded = values.astype("<f4")
         payload = decoded.tobytes()
-        encoding = "f32"
-    message = encode_update(round_id=rnd, device=f"d{device}", encoding=encoding,
-                            count=len(values), payload=payload)
-    wire = mqtt_publish_size(update_topic("sim", f"d{device}"), len(message))
-    return decoded, len(payload), wire - len(payload)
+    return (decoded, *_upload_bytes(len(payload), 8, device))
 
 
 def _fedpaq_paper_epsilon(cfg: SimConfig, m: int) -> float:
@@ -186,10 +189,7 @@ def _upload_integers(ints: np.ndarray, grid: float, rnd: int,
     span = int(np.abs(ints).max()) if ints.size else 0
     bits = max(1, math.ceil(math.log2(2 * span + 1)))
     payload_len = 8 + math.ceil(ints.size * bits / 8)  # grid (float32) + width + count
-    message = encode_update(round_id=rnd, device=f"d{device}", encoding=f"int{bits}",
-                            count=int(ints.size), payload=bytes(payload_len))
-    wire = mqtt_publish_size(update_topic("sim", f"d{device}"), len(message))
-    return ints * grid, payload_len, wire - payload_len
+    return (ints * grid, *_upload_bytes(payload_len, 8, device))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -250,11 +250,7 @@ def ddg_plan(cfg: SimConfig, num_params: int) -> DdgPlan:
 def _upload_ddg(k: int, bits: int, rnd: int, device: int) -> tuple[int, int]:
     """(payload, overhead) bytes of a ddg upload: k residues bit-packed at ``bits`` each
     (gamma, bits and the coordinate set are public round parameters, not sent)."""
-    payload_len = math.ceil(k * bits / 8)
-    message = encode_update(round_id=rnd, device=f"d{device}", encoding=f"ddg{bits}",
-                            count=k, payload=bytes(payload_len))
-    wire = mqtt_publish_size(update_topic("sim", f"d{device}"), len(message))
-    return payload_len, wire - payload_len
+    return _upload_bytes(k, bits, device)
 
 
 def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
@@ -333,8 +329,8 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
         coords = None
         if k < d:  # one rand-k set for the whole cohort, from the round seed
             coords = compress.coordinate_set(round_seed, d, k)
-        model_bytes = encode_update(round_id=rnd, device="server", encoding="f32", count=d,
-                                    payload=flatten_params(params).tobytes())
+        model_bytes = wire_encode(replace(ModelUpdate.of(version=rnd, round_id=rnd,
+                                                         params=params), sig=bytes(64)))
         total = np.zeros(k, dtype=np.float64)
         residue_sum = np.zeros(k, dtype=np.uint64)  # ddg: uint64 wraps mod 2^64, 2^bits | 2^64
         plain_sum = np.zeros(k, dtype=np.int64)  # ddg: the same sum without the ring

@@ -49,6 +49,7 @@ __all__ = [
     "default_degree",
     "default_threshold",
     "neighbour_graph",
+    "neighbourhood_problem",
     "prune",
     "recovery_owners",
     "share_shortfall",
@@ -81,6 +82,24 @@ def default_threshold(degree: int) -> int:
     """
     k = _check_int("degree", degree, 2)
     return k // 2 + 1
+
+
+def neighbourhood_problem(n: int, degree: int, threshold: int) -> str | None:
+    """What is wrong with a SecAgg+ neighbourhood of ``degree`` and Shamir ``threshold`` over
+    a cohort of ``n`` (integers, n >= 3), or None: the degree is the complete graph's
+    n - 1 or even in [2, n - 1) (a Harary graph), and k/2 < t <= k (2t > k, see
+    :func:`default_threshold`)."""
+    if not 2 <= degree <= n - 1:
+        return f"degree must be in [2, {n - 1}], got {degree}"
+    if degree < n - 1 and degree % 2:
+        return (f"degree must be even (Harary graph) or the full n - 1 = {n - 1}, "
+                f"got {degree}")
+    if not 1 <= threshold <= degree:
+        return f"threshold must be in [1, {degree}], got {threshold}"
+    if 2 * threshold <= degree:
+        return (f"threshold must exceed degree / 2 = {degree / 2} (else the aggregator could "
+                f"collect both kinds of shares of one device), got {threshold}")
+    return None
 
 
 def _permutation(seed: bytes, n: int) -> list[int]:

@@ -13,7 +13,7 @@ from edge_sdk.mechanisms.base import Contribution, DeviceHalf, Mechanism, Server
 from edge_sdk.mechanisms.gaussian import (
     Gaussian,
     GaussianDevice,
-    GaussianParams,
+    GaussianRound,
     GaussianServer,
 )
 
@@ -23,7 +23,7 @@ __all__ = [
     "DeviceHalf",
     "Gaussian",
     "GaussianDevice",
-    "GaussianParams",
+    "GaussianRound",
     "GaussianServer",
     "Mechanism",
     "ServerHalf",

@@ -39,15 +39,15 @@ from edge_sdk.model import flatten_params
 from edge_sdk.privacy.aggregate import aggregate_event
 from edge_sdk.privacy.events import Event
 from edge_sdk.train import LocalTraining, local_round, round_event
-from edge_sdk.wire import RoundPlan
+from edge_sdk.wire import GaussianParams, RoundPlan
 
-__all__ = ["Gaussian", "GaussianDevice", "GaussianParams", "GaussianServer"]
+__all__ = ["Gaussian", "GaussianDevice", "GaussianRound", "GaussianServer"]
 
 Layout = tuple[tuple[int, ...], ...]  # the model's parameter shapes, graph order
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class GaussianParams:
+class GaussianRound:
     """One round's public settings of the Gaussian mechanism.
 
     Attributes:
@@ -81,19 +81,20 @@ class GaussianParams:
         self.fixed_point.check_no_wrap(self.value_bound, self.cohort_size)
 
     @classmethod
-    def from_plan(cls, plan: RoundPlan, *, dim: int) -> GaussianParams:
+    def from_plan(cls, plan: RoundPlan, *, dim: int) -> GaussianRound:
         """The settings a signed plan states, for a model of ``dim`` parameters.
 
         Raises:
             ValueError: settings that cannot go together (see the class).
         """
+        w = plan.params  # the plan's wire record (wire.GaussianParams), checked on decode
         return cls(
-            training=LocalTraining(steps=plan.steps, batch_size=plan.batch_size, lr=plan.lr,
-                                   clip=plan.clip, noise_multiplier=plan.noise_multiplier,
-                                   sampling=plan.sampling,  # type: ignore[arg-type]
-                                   sparsity=plan.sparsity),
-            quant_levels=plan.quant_levels, value_bound=plan.value_bound,
-            fixed_point=FixedPoint(scale=plan.scale, bits=plan.bits), dim=dim,
+            training=LocalTraining(steps=w.steps, batch_size=w.batch_size, lr=w.lr,
+                                   clip=w.clip, noise_multiplier=w.noise_multiplier,
+                                   sampling=w.sampling,  # type: ignore[arg-type]
+                                   sparsity=w.sparsity),
+            quant_levels=w.quant_levels, value_bound=w.value_bound,
+            fixed_point=FixedPoint(scale=w.scale, bits=plan.bits), dim=dim,
             length=plan.length, cohort_size=len(plan.cohort))
 
 
@@ -101,7 +102,7 @@ class GaussianParams:
 class GaussianDevice:
     """The device half (see the module docstring)."""
 
-    params: GaussianParams
+    params: GaussianRound
 
     def events(self, *, m: int, honest: int) -> tuple[Event, Event]:
         """(local, aggregate) events over ``m`` samples; the aggregate one is the local
@@ -139,7 +140,7 @@ class GaussianServer:
     """The server half (see the module docstring). Its state is the model's layout (the
     parameter shapes), fixed by :meth:`init`."""
 
-    params: GaussianParams
+    params: GaussianRound
 
     def init(self, params: Sequence[np.ndarray]) -> Layout:
         """The layout of the model ``params`` (graph order), which :meth:`decode` fills.
@@ -177,11 +178,11 @@ class Gaussian:
     """The mechanism object (registry name ``"gaussian"``)."""
 
     name: ClassVar[str] = "gaussian"
-    Params: ClassVar[type] = GaussianParams
+    Params: ClassVar[type] = GaussianParams  # what travels in RoundPlan.params
 
-    def device(self, params: GaussianParams) -> GaussianDevice:
+    def device(self, params: GaussianRound) -> GaussianDevice:
         return GaussianDevice(params)
 
-    def server(self, params: GaussianParams) -> GaussianServer:
+    def server(self, params: GaussianRound) -> GaussianServer:
         return GaussianServer(params)
 

@@ -2,12 +2,12 @@
 
 The aggregator learns the sum of a cohort's vectors in Z_{2^b} and nothing else, also
 when devices vanish mid-round. Layers, as pyca/cryptography layers ``hazmat`` under
-recipes (every wire format is pinned by ``tests/golden/secagg_vectors.json``)::
+recipes (the messages are ``edge_sdk.wire.messages``; ``tests/golden/secagg_vectors.json``
+pins the formats)::
 
     edge_sdk.secagg            this package: what a device or a tool uses
       identity                 DeviceIdentity, AggregatorIdentity, Registry, Enrollment
       config                   RoundConfig (cohort, ring, neighbourhood, digest)
-      messages                 the signed wire messages (until they join edge_sdk.wire)
       client                   SecAggClient, AmortizedSecAggClient, PairwiseSeeds
     aggregator.secagg_server   the aggregator's side (relay, recovery, unmasking)
     edge_sdk.hazmat            primitives, misusable on their own:

@@ -47,25 +47,44 @@ from edge_sdk.secagg.config import RoundConfig
 
 # the package's own private helpers (one package, one protocol)
 from edge_sdk.secagg.identity import DeviceIdentity, Registry, _raw_private, _raw_public
-from edge_sdk.secagg.messages import (
-    _NONCE_BYTES,
-    _ROUND_HI,
+from edge_sdk.wire import schema
+from edge_sdk.wire.chunking import DEFAULT_MAX_PACKET, split_masked
+from edge_sdk.wire.messages import (
     AdvertiseKeys,
     EncryptedShare,
     ForwardedShares,
-    MaskedInput,
+    MaskedPart,
     NeighbourKeys,
     RevealRequest,
     RevealResponse,
     ShareKeys,
     UnmaskRequest,
     UnmaskResponse,
-    _sign_with,
 )
+from edge_sdk.wire.schema import ROUND_HI as _ROUND_HI
 
 __all__ = ["AmortizedSecAggClient", "ClientState", "PairwiseSeeds", "SecAggClient"]
 
 _SHARE_AD_LABEL = b"fedge/secagg/v1/share"
+_NONCE_BYTES = 12  # ChaCha20-Poly1305
+
+
+def _sign_with(msg: Any, signer: DeviceIdentity, digest: bytes) -> Any:
+    """``msg`` signed by ``signer`` over the wire's signing bytes, bound to the round's
+    configuration ``digest``."""
+    return schema.sign(msg, signer, context=digest)
+
+
+def _masked_parts(
+    y: np.ndarray, config: RoundConfig, identity: DeviceIdentity, digest: bytes,
+    max_packet: int,
+) -> tuple[MaskedPart, ...]:
+    """The masked vector ``y`` packed at the ring's width, cut below ``max_packet`` and
+    each part signed."""
+    parts = split_masked(round_id=config.round_id, sender=identity.device, bits=config.bits,
+                         count=config.length, data=Ring(bits=config.bits).pack(y),
+                         max_packet=max_packet)
+    return tuple(_sign_with(p, identity, digest) for p in parts)
 
 
 def _check_round(msg: Any, config: RoundConfig) -> None:
@@ -107,7 +126,7 @@ class SecAggClient:
         c = SecAggClient(identity=me, registry=reg, config=cfg)
         adv = c.advertise()                       # -> aggregator
         sk = c.share_keys(neighbour_keys)         # -> aggregator
-        mi = c.mask_input(forwarded_shares, x)    # -> aggregator
+        parts = c.mask_input(forwarded_shares, x) # -> aggregator (signed masked parts)
         ur = c.unmask(unmask_request)             # -> aggregator
 
     Every inbound message is checked (round, recipient, aggregator signature, each
@@ -277,8 +296,9 @@ class SecAggClient:
         return out  # type: ignore[no-any-return]
 
     def mask_input(
-        self, msg: ForwardedShares, x: np.ndarray, *, coordinates: np.ndarray | None = None
-    ) -> MaskedInput:
+        self, msg: ForwardedShares, x: np.ndarray, *, coordinates: np.ndarray | None = None,
+        max_packet: int = DEFAULT_MAX_PACKET,
+    ) -> tuple[MaskedPart, ...]:
         """Round 2: open the neighbours' shares, then mask x toward exactly those
         neighbours (U2) and with the self mask.
 
@@ -288,6 +308,10 @@ class SecAggClient:
                 ``coordinates`` is given.
             coordinates: sparse round: the round's rand-k set omega (``config.length``
                 sorted indices); only ``x[omega]`` is masked and sent.
+            max_packet: the largest encoded part (bytes, ``wire.chunking.split_masked``).
+
+        Returns:
+            the masked vector's parts (raw packed residues), each signed.
 
         Raises:
             RemoteProtocolError: a bad forwarded message (nothing changes).
@@ -332,20 +356,10 @@ class SecAggClient:
             (mask_sign(self.device, v), self._pair_seeds[v]) for v in sorted(held)
         ]
         y = mask(values, bits=self._cfg.bits, terms=terms)
-        out = _sign_with(
-            MaskedInput(
-                round_id=self._cfg.round_id,
-                sender=self.device,
-                bits=self._cfg.bits,
-                count=self._cfg.length,
-                payload_bytes=Ring(bits=self._cfg.bits).pack(y),
-            ),
-            self._id,
-            self._digest,
-        )
+        out = _masked_parts(y, self._cfg, self._id, self._digest, max_packet)
         self._held = held
         self._state = ClientState.MASKED
-        return out  # type: ignore[no-any-return]
+        return out
 
     def unmask(self, msg: UnmaskRequest) -> UnmaskResponse:
         """Round 4: reveal mask-key shares of the dropped neighbours and self-mask shares
@@ -518,8 +532,11 @@ class AmortizedSecAggClient:
     def _round_seed(self, peer: str) -> bytes:
         return amortized_round_seed(self._seeds.seed(peer), self._cfg.round_id)
 
-    def mask_input(self, x: np.ndarray, *, coordinates: np.ndarray | None = None) -> MaskedInput:
-        """``c_i = p_i + sum_j sign(i, j) G(seed_ij, t)`` (eqs. (7)-(8)), signed.
+    def mask_input(
+        self, x: np.ndarray, *, coordinates: np.ndarray | None = None,
+        max_packet: int = DEFAULT_MAX_PACKET,
+    ) -> tuple[MaskedPart, ...]:
+        """``c_i = p_i + sum_j sign(i, j) G(seed_ij, t)`` (eqs. (7)-(8)), as signed parts.
 
         Raises:
             LocalProtocolError: called twice.
@@ -530,20 +547,10 @@ class AmortizedSecAggClient:
         values = _select(x, coordinates, self._cfg)
         terms = [(mask_sign(self.device, v), self._round_seed(v)) for v in self._neighbours]
         y = mask(values, bits=self._cfg.bits, terms=terms)
-        out = _sign_with(
-            MaskedInput(
-                round_id=self._cfg.round_id,
-                sender=self.device,
-                bits=self._cfg.bits,
-                count=self._cfg.length,
-                payload_bytes=Ring(bits=self._cfg.bits).pack(y),
-            ),
-            self._id,
-            self._digest,
-        )
+        out = _masked_parts(y, self._cfg, self._id, self._digest, max_packet)
         self._seeds.claim_round(self._cfg.round_id)
         self._state = ClientState.MASKED
-        return out  # type: ignore[no-any-return]
+        return out
 
     def reveal(self, msg: RevealRequest) -> RevealResponse:
         """Reveal this round's seeds toward the listed dropped neighbours.

@@ -21,20 +21,22 @@ from edge_sdk._validate import check_bytes as _check_bytes
 from edge_sdk._validate import check_device_id as _check_id
 from edge_sdk._validate import check_int as _check_int
 from edge_sdk.errors import RemoteProtocolError
-from edge_sdk.hazmat.graph import default_degree, default_threshold, neighbour_graph
-from edge_sdk.secagg.messages import (
-    _MAX_COHORT,
-    _MAX_LENGTH,
-    PROTOCOL_VERSION,
-    _bin,
-    _expect_map,
-    _ids,
-    _int,
+from edge_sdk.hazmat.graph import (
+    default_degree,
+    default_threshold,
+    neighbour_graph,
+    neighbourhood_problem,
 )
+from edge_sdk.wire.messages import RoundPlan
+from edge_sdk.wire.schema import PROTOCOL_VERSION
 
 __all__ = ["RoundConfig"]
 
 _CONFIG_LABEL = b"fedge/secagg/v1/config"
+_MAX_COHORT = 1 << 16
+_MAX_LENGTH = 1 << 31
+_CONFIG_KEYS = frozenset({"v", "kind", "round", "nonce", "cohort", "bits", "length", "degree",
+                          "threshold", "amortized"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,16 +81,10 @@ class RoundConfig:
         _check_int("bits", self.bits, 1, 64)
         _check_int("length", self.length, 1, _MAX_LENGTH)
         k = _check_int("degree", self.degree, 2, n - 1)
-        if k < n - 1 and k % 2:
-            raise ValueError(
-                f"degree must be even (Harary graph) or the full n - 1 = {n - 1}, got {k}"
-            )
-        t = _check_int("threshold", self.threshold, 1, k)
-        if 2 * t <= k:
-            raise ValueError(
-                f"threshold must exceed degree / 2 = {k / 2} (else the aggregator could "
-                f"collect both kinds of shares of one device), got {t}"
-            )
+        _check_int("threshold", self.threshold, 1, k)
+        problem = neighbourhood_problem(n, k, self.threshold)
+        if problem:
+            raise ValueError(problem)
         if not isinstance(self.amortized, bool):
             raise ValueError(f"amortized must be a bool, got {self.amortized!r}")
 
@@ -128,7 +124,21 @@ class RoundConfig:
             amortized=amortized,
         )
 
+    @classmethod
+    def of_plan(cls, plan: RoundPlan) -> RoundConfig:
+        """The secure-aggregation parameters a round plan states (a decoded plan's are
+        consistent: the wire checks the same neighbourhood rule).
+
+        Raises:
+            ValueError: they do not form a valid RoundConfig.
+        """
+        return cls(round_id=plan.round_id, nonce=plan.nonce, cohort=plan.cohort,
+                   bits=plan.bits, length=plan.length, degree=plan.degree,
+                   threshold=plan.threshold)
+
     def to_wire(self) -> dict[str, Any]:
+        """The digest's input (not a message on the wire): a msgpack-able map that carries
+        the protocol version, so the digest binds it."""
         return {
             "v": PROTOCOL_VERSION,
             "kind": "round_config",
@@ -144,25 +154,30 @@ class RoundConfig:
 
     @classmethod
     def from_wire(cls, obj: object) -> RoundConfig:
-        d = _expect_map(
-            obj,
-            "round_config",
-            {"round", "nonce", "cohort", "bits", "length", "degree", "threshold", "amortized"},
-        )
-        amortized = d["amortized"]
-        if not isinstance(amortized, bool):
-            raise RemoteProtocolError(f"round_config.amortized must be a bool, got {amortized!r}")
+        """Inverse of :meth:`to_wire`.
+
+        Raises:
+            RemoteProtocolError: not the map :meth:`to_wire` makes, or invalid parameters.
+        """
+        if not isinstance(obj, dict) or set(obj) != _CONFIG_KEYS:
+            got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+            raise RemoteProtocolError(f"round_config must be a map of exactly "
+                                      f"{sorted(_CONFIG_KEYS)}, got {got}")
+        v = obj["v"]
+        if type(v) is not int or v != PROTOCOL_VERSION or obj["kind"] != "round_config":
+            raise RemoteProtocolError(f"round_config: expected version {PROTOCOL_VERSION} and "
+                                      f"kind 'round_config', got {v!r}, {obj['kind']!r}")
+        cohort = obj["cohort"]
         try:
-            return cls(
-                round_id=_int(d, "round", 0, (1 << 63) - 1),
-                nonce=_bin(d, "nonce", 32),
-                cohort=tuple(_ids(d, "cohort")),
-                bits=_int(d, "bits", 1, 64),
-                length=_int(d, "length", 1, _MAX_LENGTH),
-                degree=_int(d, "degree", 1, _MAX_COHORT),
-                threshold=_int(d, "threshold", 1, _MAX_COHORT),
-                amortized=amortized,
-            )
+            if not isinstance(cohort, list) or len(set(map(str, cohort))) != len(cohort):
+                raise ValueError(f"cohort must be a list of distinct devices, got {cohort!r}")
+            if not isinstance(obj["amortized"], bool):
+                raise ValueError(f"amortized must be a bool, got {obj['amortized']!r}")
+            if not isinstance(obj["nonce"], bytes):
+                raise ValueError(f"nonce must be bytes, got {type(obj['nonce']).__name__}")
+            return cls(round_id=obj["round"], nonce=obj["nonce"], cohort=tuple(cohort),
+                       bits=obj["bits"], length=obj["length"], degree=obj["degree"],
+                       threshold=obj["threshold"], amortized=obj["amortized"])
         except ValueError as e:
             raise RemoteProtocolError(f"round_config: {e}") from None
 

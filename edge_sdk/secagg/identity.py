@@ -29,6 +29,7 @@ from edge_sdk._validate import check_bytes as _check_bytes
 from edge_sdk._validate import check_device_id as _check_id
 from edge_sdk.errors import RemoteProtocolError
 from edge_sdk.hazmat.shamir import RandomBytes
+from edge_sdk.wire.schema import Message, signer_of
 
 __all__ = ["AggregatorIdentity", "DeviceIdentity", "Enrollment", "Registry"]
 
@@ -239,6 +240,17 @@ class Registry:
                                        agree_key=key(enr.get("agree_key"), f"{name}.agree_key"))
         return cls(aggregator_key=key(doc.get("aggregator_key"), "aggregator_key"),
                    devices=devices)
+
+    def verify_message(self, msg: Message, *, context: bytes = b"") -> None:
+        """Check a signed wire message's signature by its signer (the device it is from, or
+        the aggregator: ``wire.signer_of``), over its signing bytes with ``context`` (the
+        round configuration's digest for the SecAgg kinds).
+
+        Raises:
+            RemoteProtocolError: the signer is not enrolled, or the signature is bad.
+        """
+        self.verify(signer_of(msg), msg.sig, msg.signing_bytes(context),  # type: ignore[attr-defined]
+                    msg.KIND)
 
     def verify(self, signer: str | None, sig: bytes, data: bytes, what: str) -> None:
         """Check a signature by ``signer`` (None: the aggregator); RemoteProtocolError if bad."""

@@ -1,6 +1,6 @@
 """The declarative wire schema: one envelope, one naming rule, one decoder with caps, one
 signature rule, from which every message's encode, decode, validation and signed bytes are
-generated (issue 15, plan15 §3.4; step D2 moves every message onto it).
+generated (issue 15, plan15 §3.4); :mod:`edge_sdk.wire.messages` declares every kind on it.
 
 A message is a frozen, keyword-only, slotted dataclass that subclasses :class:`Message`,
 whose fields are declared with the field types below, under :func:`message`::
@@ -31,7 +31,7 @@ message is one byte string, and ``decode(encode(m)) == m``.
 Decoding (:func:`decode`) is the one place msgpack meets bytes from a peer: the unpacker
 runs with today's caps (no length prefix can allocate more than the message holds, no
 extension types, at most 1024 map entries), every msgpack error becomes a
-:class:`~edge_sdk.wire.WireError`, and every field is checked by its type (its kind, size,
+:class:`WireError`, and every field is checked by its type (its kind, size,
 range, finiteness, the :class:`Limits` on every length); an error names the kind, the field,
 the bad value and what was expected. Every truncated prefix of a valid message fails that
 way. :func:`peek` reads only the envelope (kind, round, sender or recipient), for routing.
@@ -49,7 +49,6 @@ from __future__ import annotations
 import enum
 import math
 import numbers
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass, replace
 from types import MappingProxyType
@@ -59,8 +58,8 @@ import msgpack
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from edge_sdk._validate import NAME_PATTERN
 from edge_sdk.errors import RemoteProtocolError
-from edge_sdk.wire import WireError
 
 __all__ = [
     "AGGREGATOR",
@@ -92,6 +91,7 @@ __all__ = [
     "Str",
     "Struct",
     "To",
+    "WireError",
     "catalog",
     "decode",
     "encode",
@@ -104,15 +104,22 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 4
-"""The envelope's ``"v"``: the protocol the schema speaks (D2 moves the wire to it)."""
+"""The envelope's ``"v"``: the one protocol version of every message (4: issue 15's one
+schema; devices and the aggregator are upgraded together)."""
 SIGNING_LABEL = b"fedge/wire/v4/sig"
 """Prefix of every signed byte string (domain separation from every other Ed25519 use)."""
 SIG_BYTES = 64
 ROUND_HI = (1 << 63) - 1
 """Largest round id (rounds are unique per fleet in [0, 2^63))."""
-NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-"""The naming rule of fleets, devices and kinds: they appear in MQTT topics and ACLs, so
-they can never hold a wildcard or a separator (a device named "+" would widen its ACL)."""
+
+class WireError(RemoteProtocolError):
+    """Bytes from a peer that are not a valid message: truncated, malformed, too large,
+    of an unknown kind or version, or with a field of the wrong type, size or value.
+
+    A :class:`edge_sdk.errors.RemoteProtocolError` (the peer is to blame), so endpoints
+    catch one type for every inbound problem.
+    """
+
 
 _META = "fedge.wire.schema"  # the key of a field's type in dataclasses.Field.metadata
 

@@ -38,7 +38,8 @@ Timings (``time.perf_counter``, single process, best of ``reps`` where repeated)
 * ``bytes_up_per_client``: the exact msgpack bytes the representative device sends in the
   round (advertise + sealed shares + masked input + unmask answer; MQTT framing, about 30
   bytes per message, not included). ``bytes_vector`` = ceil(d * b / 8) is the packed
-  vector alone; ``bytes_masked_input`` is that message.
+  vector alone; ``bytes_masked_input`` is the masked upload (its signed ``masked_part``
+  messages).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from edge_sdk.hazmat import prg
 from edge_sdk.hazmat.masking import derive_pairwise_seed, mask, mask_sign
 from edge_sdk.hazmat.ring import Ring
 from edge_sdk.secagg import AggregatorIdentity, DeviceIdentity, Registry, RoundConfig, SecAggClient
-from edge_sdk.secagg.messages import decode_message, encode_message
+from edge_sdk.wire import SECAGG_DOWN, SECAGG_UP, decode, encode
 from tools.bench.client import machine
 
 __all__ = ["run_secagg_bench"]
@@ -222,10 +223,12 @@ def run_secagg_bench(
         msg = call()
         if dev == rep:
             stage_s[stage] = time.perf_counter() - t0
-        data = encode_message(msg)
+        msgs = msg if isinstance(msg, tuple) else (msg,)  # the masked upload is in parts
+        data = [encode(m) for m in msgs]
         if dev == rep:
-            sent_bytes[stage] = len(data)
-        return decode_message(data)
+            sent_bytes[stage] = sum(map(len, data))
+        out = tuple(decode(b, SECAGG_UP) for b in data)
+        return out if isinstance(msg, tuple) else out[0]
 
     failed = None
     expected = np.zeros(dim, dtype=np.uint64)
@@ -236,20 +239,21 @@ def run_secagg_bench(
         for d in ids:
             server.receive(step(d, "advertise", devices[d].advertise))
         for d, m in server.close_advertise().items():
-            m = decode_message(encode_message(m))
+            m = decode(encode(m), SECAGG_DOWN)
             server.receive(step(d, "share_keys", lambda d=d, m=m: devices[d].share_keys(m)))
         for d, m in server.close_share_keys().items():
             if d in dropped:
                 continue
-            m = decode_message(encode_message(m))
+            m = decode(encode(m), SECAGG_DOWN)
             x = input_of(d)
             np.add(expected, x, out=expected)
             up = step(d, "mask_input", lambda d=d, m=m, x=x: devices[d].mask_input(m, x))
             t0 = time.perf_counter()
-            server.receive(up)
+            for part in up:
+                server.receive(part)
             collect_s += time.perf_counter() - t0
         for d, m in server.close_masked_input().items():
-            m = decode_message(encode_message(m))
+            m = decode(encode(m), SECAGG_DOWN)
             server.receive(step(d, "unmask", lambda d=d, m=m: devices[d].unmask(m)))
         t0 = time.perf_counter()
         server.recover()

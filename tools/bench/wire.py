@@ -1,8 +1,8 @@
 """Benchmark 5: bytes per upload for each compression setting vs a float32 FedAvg upload.
 
-Sizes are exact (the encoder's output, not a formula): payload, then msgpack framing and
-the MQTT v5 PUBLISH header. The reference row is the dense float32 update of the same
-model in the same run.
+Sizes are exact (real encoded messages, not a formula): payload, then the signed
+``masked_part`` framing and the MQTT v5 PUBLISH header (``wire.upload_sizes``). The
+reference row is the dense float32 update of the same model in the same run.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 
 from edge_sdk import compress
 from edge_sdk.model import build_spec
-from edge_sdk.wire import encode_update, mqtt_publish_size, update_topic
+from edge_sdk.wire import upload_sizes
 
 # (label, kept fraction p, QSGD levels s; 0 = float32 values)
 SETTINGS = [
@@ -35,9 +35,8 @@ def upload_bytes(values: np.ndarray, levels: int, rng: np.random.Generator) -> t
         payload = compress.pack_quantized(compress.quantize(values, levels, rng))
     else:
         payload = values.astype("<f4").tobytes()
-    msg = encode_update(round_id=1, device="d0", encoding="x", count=len(values),
-                        payload=payload)
-    return len(payload), mqtt_publish_size(update_topic("fleet", "d0"), len(msg))
+    size, framing = upload_sizes(len(payload), 8, fleet="fleet", device="d0")
+    return size, size + framing
 
 
 def run_wire_bench(*, arch: str = "cnn", out=sys.stdout) -> list[dict[str, Any]]:

@@ -1,0 +1,554 @@
+"""Every message of a round, declared on :mod:`edge_sdk.wire.schema` (protocol 4).
+
+One envelope ``{"v": 4, "kind", "round", "from" | "to", ...fields, "sig"?}``, one naming
+rule (:func:`~edge_sdk.wire.schema.Name`), one decoder with caps and one signature rule for
+every kind; ``tests/golden/wire_vectors.json`` pins each encoding. Topics
+(``edge_sdk.wire.topics``) end with the kind::
+
+    kind              direction                  signed by    signature context
+    checkin           device -> aggregator       the device   -
+    decline           device -> aggregator       the device   -
+    advertise_keys    device -> aggregator       the device   RoundConfig digest
+    share_keys        device -> aggregator       the device   RoundConfig digest
+    masked_part       device -> aggregator       the device   RoundConfig digest
+    unmask_response   device -> aggregator       the device   RoundConfig digest
+    reveal_response   device -> aggregator       the device   RoundConfig digest
+    plan              aggregator -> cohort       aggregator   -
+    neighbour_keys    aggregator -> device       aggregator   RoundConfig digest
+    forwarded_shares  aggregator -> device       aggregator   RoundConfig digest
+    unmask_request    aggregator -> device       aggregator   RoundConfig digest
+    reveal_request    aggregator -> device       aggregator   RoundConfig digest
+    error             aggregator -> device       aggregator   -
+    model             aggregator -> everyone     aggregator   -   (retained)
+
+``encrypted_share`` travels only inside ``share_keys`` and ``forwarded_shares``: signed by
+the device that sealed it, so the recipient can check it after the aggregator's relay.
+The masked vector of secure aggregation travels as ``masked_part`` s (raw packed residues,
+each part signed; ``edge_sdk.wire.chunking`` cuts and joins them), never as msgpack inside
+msgpack. The SecAgg kinds (Bonawitz et al., CCS 2017, Fig. 4, with Bell et al.'s SecAgg+
+neighbourhoods; the amortized variant's reveal kinds, Hu et al., Sec. IV-B) bind the
+round's ``RoundConfig.digest()`` as their signature context, so a message of another round
+or built on another view of the round fails verification. The wire does not know
+``RoundConfig`` (the wire is below secure aggregation): the endpoint passes the digest in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, TypeAlias
+
+import numpy as np
+
+from edge_sdk.hazmat.graph import neighbourhood_problem
+from edge_sdk.hazmat.masking import SEED_BYTES
+from edge_sdk.hazmat.shamir import SHARE_BYTES
+from edge_sdk.wire.schema import (
+    AGGREGATOR,
+    DEVICE,
+    ROUND_HI,
+    Bytes,
+    Float,
+    From,
+    Int,
+    Limits,
+    ListOf,
+    Map,
+    Message,
+    Name,
+    Names,
+    ParamsOf,
+    Record,
+    Round,
+    Sig,
+    Str,
+    Struct,
+    To,
+    catalog,
+    message,
+    record,
+)
+
+__all__ = [
+    "ALL_KINDS",
+    "DEVICE_KINDS",
+    "DOWN_KINDS",
+    "MECHANISM_PARAMS",
+    "MODEL_KINDS",
+    "SECAGG_DOWN",
+    "SECAGG_UP",
+    "SecAggDown",
+    "SecAggUp",
+    "UP_KINDS",
+    "AdvertiseKeys",
+    "CheckIn",
+    "Decline",
+    "EncryptedShare",
+    "ErrorNotice",
+    "ForwardedShares",
+    "GaussianParams",
+    "MaskedPart",
+    "ModelUpdate",
+    "NeighbourKeys",
+    "RevealRequest",
+    "RevealResponse",
+    "RoundPlan",
+    "ShareKeys",
+    "UnmaskRequest",
+    "UnmaskResponse",
+    "WireArray",
+    "colluder_problem",
+]
+
+_KEY_BYTES = 32  # X25519 public keys
+_NONCE_BYTES = 12  # ChaCha20-Poly1305
+_SHARE_CT_BYTES = 2 * SHARE_BYTES + 16  # two Shamir shares, sealed (16-byte tag)
+_MAX_LENGTH = 1 << 31  # values one secure sum may hold (RoundConfig.length)
+_DTYPES = ("<f4", "<f8", "<i4", "<i8", "<u2", "<u4", "<u8", "|u1")  # "<u2": ring sums at 9..16 bits
+_SAMPLING = ("poisson", "shuffle")
+
+
+# =========================================================================== arrays
+
+
+@record
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WireArray(Record):
+    """A numpy array on the wire: raw little-endian bytes, dtype string and shape.
+
+    Float arrays must be finite (checked on construction, so on decode too).
+    """
+
+    dtype: str = Str(choices=_DTYPES)
+    shape: tuple[int, ...] = ListOf(Int(0, "max_array_elements"), max="max_ndim")
+    data: bytes = Bytes(max="max_message_bytes")
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.shape, tuple) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in self.shape
+        ):
+            raise ValueError(f"shape must be a tuple of integers >= 0, got {self.shape!r}")
+        want = math.prod(self.shape) * np.dtype(self.dtype).itemsize
+        if not isinstance(self.data, bytes) or len(self.data) != want:
+            got = len(self.data) if isinstance(self.data, bytes) else type(self.data).__name__
+            raise ValueError(f"an array of dtype {self.dtype} and shape {self.shape} takes "
+                             f"{want} bytes, got {got}")
+        if self.dtype[1] == "f":
+            a = np.frombuffer(self.data, dtype=self.dtype)
+            if not np.isfinite(a).all():
+                bad = int(np.flatnonzero(~np.isfinite(a))[0])
+                raise ValueError(f"float array holds {a[bad]!r} at flat index {bad}; "
+                                 f"only finite values are allowed")
+
+    def wire_check(self, limits: Limits) -> None:
+        if math.prod(self.shape) > limits.max_array_elements:
+            raise ValueError(f"array of shape {list(self.shape)} exceeds "
+                             f"{limits.max_array_elements} elements")
+
+    @classmethod
+    def of(cls, array: np.ndarray) -> WireArray:
+        """The wire form of ``array`` (converted to little-endian)."""
+        a = np.asarray(array)
+        dt = a.dtype.newbyteorder("<") if a.dtype.itemsize > 1 else a.dtype
+        code = dt.str
+        if code not in _DTYPES:
+            raise ValueError(f"arrays of dtype {a.dtype} cannot travel; use one of {_DTYPES}")
+        return cls(dtype=code, shape=tuple(int(n) for n in a.shape),
+                   data=np.ascontiguousarray(a, dtype=dt).tobytes())
+
+    def to_numpy(self) -> np.ndarray:
+        """A fresh, writable array in native byte order."""
+        return np.frombuffer(self.data, dtype=self.dtype).reshape(self.shape).astype(
+            np.dtype(self.dtype).newbyteorder("="))
+
+
+# =========================================================================== plan
+
+
+@record
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GaussianParams(Record):
+    """The ``gaussian`` mechanism's part of a round plan: local DP-SGD (Abadi et al., CCS
+    2016) with optional rand-k and QSGD, encoded in fixed point for secure aggregation.
+
+    Attributes:
+        steps, batch_size, lr, sampling: the local round (``edge_sdk.train.LocalTraining``;
+            Poisson rate q = batch_size / m).
+        clip: per-sample L2 bound C; noise_multiplier: z (noise std z*C).
+        sparsity: rand-k kept fraction p (1: dense; the coordinate set comes from the
+            plan's ``round_seed``, ``compress.coordinate_set``).
+        quant_levels: QSGD levels s applied to the kept values before encoding (0: none).
+        scale, value_bound: fixed-point encoding (``fixedpoint.FixedPoint``); each value is
+            clamped to [-value_bound, value_bound] first so the cohort's sum cannot wrap.
+    """
+
+    steps: int = Int(1, 1 << 20)
+    batch_size: int = Int(1, 1 << 24)
+    lr: float = Float(0.0, open_lo=True)
+    sampling: str = Str(choices=_SAMPLING)
+    clip: float = Float(0.0, open_lo=True)
+    noise_multiplier: float = Float(0.0)
+    sparsity: float = Float(0.0, 1.0, open_lo=True)
+    quant_levels: int = Int(0, (1 << 31) - 1)
+    scale: float = Float(0.0, open_lo=True)
+    value_bound: float = Float(0.0, open_lo=True)
+
+
+MECHANISM_PARAMS: Mapping[str, type[Record]] = MappingProxyType({"gaussian": GaussianParams})
+"""Each mechanism's parameter record, by the name a plan's ``mechanism`` field carries
+(only ``gaussian`` until phase G registers the others)."""
+
+
+def colluder_problem(max_colluders: int, *, threshold: int, min_survivors: int) -> str | None:
+    """Why ``max_colluders`` cannot go with this threshold and survivor floor (None: it can).
+
+    Colluding members plus the aggregator must stay below the Shamir threshold t (with t
+    or more shares among them they could unmask an honest device's input without it), and
+    every unmasked sum must keep at least one honest member's noise
+    (``min_survivors - max_colluders >= 1``).
+    """
+    if isinstance(max_colluders, bool) or not isinstance(max_colluders, int) \
+            or max_colluders < 0:
+        return f"max_colluders must be an integer >= 0, got {max_colluders!r}"
+    if max_colluders >= threshold:
+        return (f"max_colluders must be below the secagg threshold {threshold} (colluders "
+                f"holding t shares unmask an honest device), got {max_colluders}")
+    if min_survivors - max_colluders < 1:
+        return (f"min_survivors {min_survivors} - max_colluders {max_colluders} must leave "
+                f"at least one honest member in every sum")
+    return None
+
+
+@message(kind="plan", signer=AGGREGATOR, party=None)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundPlan(Message):
+    """Aggregator -> each cohort member: everything a device needs for one round.
+
+    Attributes:
+        round_id: the round, unique and increasing per fleet, >= 1.
+        model_version: the global model version to train from.
+        cohort: the selected devices, sorted (also the secagg cohort).
+        mechanism: the mechanism's name (a key of :data:`MECHANISM_PARAMS`);
+        params: its parameters (the record that name chooses).
+        round_seed: the round's public 32-byte seed (the rand-k coordinate set).
+        bits: ring size exponent b of the secure sum (sums are mod 2^b).
+        length: values summed by secure aggregation (k = kept_count(d, p)).
+        nonce, degree, threshold: the rest of ``secagg.RoundConfig`` (the neighbourhood
+            rule of ``hazmat.graph.neighbourhood_problem``).
+        min_survivors: the fewest uploads the aggregator will ever unmask (the ledger's
+            aggregate-view ``cohort_size``); a device refuses an unmask request for fewer.
+        max_colluders: how many cohort members the fleet's policy assumes may collude with
+            the aggregator (each knows, and can subtract, its own noise), so the sum is
+            accounted on ``min_survivors - max_colluders`` honest members' noise. Valid
+            plans have ``0 <= max_colluders < threshold`` and
+            ``min_survivors - max_colluders >= 1`` (:func:`colluder_problem`).
+        stage_timeout: seconds the aggregator waits per stage (a device gives up on the
+            round after several of these without news).
+    """
+
+    round_id: int = Round(1)
+    model_version: int = Int(0, ROUND_HI)
+    cohort: tuple[str, ...] = Names(min=3, sorted_unique=True)
+    mechanism: str = Name()
+    params: Any = ParamsOf("mechanism", MECHANISM_PARAMS)
+    round_seed: bytes = Bytes(32)
+    bits: int = Int(2, 64)
+    length: int = Int(1, "max_array_elements")
+    nonce: bytes = Bytes(32)
+    degree: int = Int(2, "max_cohort")
+    threshold: int = Int(1, "max_cohort")
+    min_survivors: int = Int(1, "max_cohort")
+    max_colluders: int = Int(0, "max_cohort")
+    stage_timeout: float = Float(0.0, 86400.0, open_lo=True)
+    sig: bytes = Sig()
+
+    def wire_check(self, limits: Limits) -> None:
+        problem = neighbourhood_problem(len(self.cohort), self.degree, self.threshold)
+        if problem:
+            raise ValueError(f"secagg parameters: {problem}")
+        if not self.threshold <= self.min_survivors <= len(self.cohort):
+            raise ValueError(f"min_survivors must be in [threshold={self.threshold}, "
+                             f"cohort size={len(self.cohort)}], got {self.min_survivors}")
+        problem = colluder_problem(self.max_colluders, threshold=self.threshold,
+                                   min_survivors=self.min_survivors)
+        if problem:
+            raise ValueError(problem)
+
+
+# =========================================================================== device -> aggregator
+
+
+@message(kind="checkin", signer=DEVICE)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckIn(Message):
+    """Device -> aggregator: "I am available" (DESIGN, one round, step 1).
+
+    Attributes:
+        round_id: the last round the device saw a plan of (0: none); informational.
+        sender: the device (must match the topic's device).
+        data_size: number of local training samples.
+        remaining_epsilon: local epsilon left in the device's budget (its ledger's figure).
+        model_version: the global model version the device holds (-1: none yet).
+    """
+
+    round_id: int = Round()
+    sender: str = From()
+    data_size: int = Int(0, 1 << 40)
+    remaining_epsilon: float = Float(0.0)
+    model_version: int = Int(-1, ROUND_HI)
+    sig: bytes = Sig()
+
+
+@message(kind="decline", signer=DEVICE)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Decline(Message):
+    """Device -> aggregator: the device will not take part in the round.
+
+    Attributes:
+        round_id: the round declined; sender: the device.
+        reason: a short machine-readable code (``"budget"``, ``"stale_model"``,
+            ``"already_committed"``, ``"no_data"``, ...).
+        detail: human-readable explanation.
+    """
+
+    round_id: int = Round()
+    sender: str = From()
+    reason: str = Name()
+    detail: str = Str(default="")
+    sig: bytes = Sig()
+
+
+@message(kind="advertise_keys", signer=DEVICE, context_bytes=32)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdvertiseKeys(Message):
+    """Device -> aggregator -> neighbours: this round's two X25519 public keys
+    (Bonawitz et al. Fig. 4, round 0 "AdvertiseKeys")."""
+
+    round_id: int = Round()
+    sender: str = From()
+    mask_key: bytes = Bytes(_KEY_BYTES)
+    enc_key: bytes = Bytes(_KEY_BYTES)
+    sig: bytes = Sig()
+
+
+@message(kind="encrypted_share", signer=DEVICE, party="both", context_bytes=32)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EncryptedShare(Message):
+    """One owner's two shares for one holder, sealed with ChaCha20-Poly1305; travels inside
+    ``share_keys`` (owner -> aggregator) and ``forwarded_shares`` (aggregator -> holder).
+
+    Plaintext: mask-key share (66 bytes) || self-mask-seed share (66 bytes). Associated
+    data: ``b"fedge/secagg/v1/share" + digest + lp(sender) + lp(recipient)``.
+    """
+
+    round_id: int = Round()
+    sender: str = From()
+    recipient: str = To()
+    nonce: bytes = Bytes(_NONCE_BYTES)
+    ciphertext: bytes = Bytes(_SHARE_CT_BYTES)
+    sig: bytes = Sig()
+
+
+@message(kind="share_keys", signer=DEVICE, context_bytes=32)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShareKeys(Message):
+    """Device -> aggregator: its encrypted shares, one per neighbour (round 1 "ShareKeys")."""
+
+    round_id: int = Round()
+    sender: str = From()
+    shares: tuple[EncryptedShare, ...] = ListOf(Struct(EncryptedShare), max="max_cohort")
+    sig: bytes = Sig()
+
+
+@message(kind="masked_part", signer=DEVICE, context_bytes=32)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MaskedPart(Message):
+    """Device -> aggregator: part ``part`` of ``parts`` of the masked vector y_u, ``count``
+    residues packed at ``bits`` (``hazmat.ring.Ring.pack``: ``ceil(count * bits / 8)``
+    bytes in all), cut into byte ranges below the packet size (``wire.chunking``).
+
+    Attributes:
+        part: 0-based index; parts: how many; digest: SHA-256 of the whole packed vector;
+        data: this part's bytes of it (raw, never msgpack inside msgpack).
+    """
+
+    round_id: int = Round()
+    sender: str = From()
+    part: int = Int(0, "max_chunks")
+    parts: int = Int(1, "max_chunks")
+    bits: int = Int(1, 64)
+    count: int = Int(1, _MAX_LENGTH)
+    digest: bytes = Bytes(32)
+    data: bytes = Bytes(min=1, max="max_upload_bytes")
+    sig: bytes = Sig()
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the whole packed vector."""
+        return (self.count * self.bits + 7) // 8
+
+    def wire_check(self, limits: Limits) -> None:
+        if self.part >= self.parts:
+            raise ValueError(f"part {self.part} must be below parts = {self.parts}")
+        if self.total_bytes > limits.max_upload_bytes:
+            raise ValueError(f"{self.count} residues of {self.bits} bits take "
+                             f"{self.total_bytes} bytes, above {limits.max_upload_bytes}")
+        if len(self.data) > self.total_bytes:
+            raise ValueError(f"a part of {len(self.data)} bytes exceeds the whole vector's "
+                             f"{self.total_bytes}")
+
+
+@message(kind="unmask_response", signer=DEVICE, context_bytes=32)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnmaskResponse(Message):
+    """Device -> aggregator: the requested shares, as (owner, 66-byte share) pairs."""
+
+    round_id: int = Round()
+    sender: str = From()
+    mask_key_shares: tuple[tuple[str, bytes], ...] = Map(Name(), Bytes(SHARE_BYTES),
+                                                         max="max_cohort")
+    self_seed_shares: tuple[tuple[str, bytes], ...] = Map(Name(), Bytes(SHARE_BYTES),
+                                                          max="max_cohort")
+    sig: bytes = Sig()
+
+
+@message(kind="reveal_response", signer=DEVICE, context_bytes=32)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RevealResponse(Message):
+    """Amortized variant, survivor -> aggregator: this round's pairwise seeds toward the
+    dropped neighbours, as (peer, 32-byte round seed) pairs."""
+
+    round_id: int = Round()
+    sender: str = From()
+    seeds: tuple[tuple[str, bytes], ...] = Map(Name(), Bytes(SEED_BYTES), max="max_cohort")
+    sig: bytes = Sig()
+
+
+# =========================================================================== aggregator -> device
+
+
+@message(kind="neighbour_keys", signer=AGGREGATOR, context_bytes=32)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NeighbourKeys(Message):
+    """Aggregator -> device: the signed advertisements of its neighbours that advertised."""
+
+    round_id: int = Round()
+    recipient: str = To()
+    adverts: tuple[AdvertiseKeys, ...] = ListOf(Struct(AdvertiseKeys), max="max_cohort")
+    sig: bytes = Sig()
+
+
+@message(kind="forwarded_shares", signer=AGGREGATOR, context_bytes=32)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForwardedShares(Message):
+    """Aggregator -> device: the shares its neighbours sealed for it."""
+
+    round_id: int = Round()
+    recipient: str = To()
+    shares: tuple[EncryptedShare, ...] = ListOf(Struct(EncryptedShare), max="max_cohort")
+    sig: bytes = Sig()
+
+
+@message(kind="unmask_request", signer=AGGREGATOR, context_bytes=32)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnmaskRequest(Message):
+    """Aggregator -> surviving device: which of its neighbours dropped (reveal their
+    mask-key shares) and which survived (reveal their self-mask shares), and how many
+    uploads in all (``survivor_count`` = |U3|, the recipient included) the unmasked sum
+    will contain: a device whose accounting assumes a minimum checks it before answering
+    (``edge_sdk.session``). With the complete graph the device can verify it (its
+    surviving neighbours plus itself); with SecAgg+ neighbourhoods it is the
+    aggregator's word (the aggregator is assumed semi-honest, see :mod:`edge_sdk.secagg`)."""
+
+    round_id: int = Round()
+    recipient: str = To()
+    dropped: tuple[str, ...] = Names()
+    survivors: tuple[str, ...] = Names()
+    survivor_count: int = Int(1, "max_cohort")
+    sig: bytes = Sig()
+
+
+@message(kind="reveal_request", signer=AGGREGATOR, context_bytes=32)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RevealRequest(Message):
+    """Amortized variant, aggregator -> survivor: these neighbours of yours dropped."""
+
+    round_id: int = Round()
+    recipient: str = To()
+    dropped: tuple[str, ...] = Names()
+    sig: bytes = Sig()
+
+
+@message(kind="error", signer=AGGREGATOR)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ErrorNotice(Message):
+    """Aggregator -> device: a round ended without the device (``"round_failed"``), or a
+    message of the device's was rejected (``"rejected"``).
+
+    Attributes:
+        round_id: the round concerned (0: none); recipient: the device;
+        code: machine-readable; detail: human-readable.
+    """
+
+    round_id: int = Round()
+    recipient: str = To()
+    code: str = Name()
+    detail: str = Str(default="")
+    sig: bytes = Sig()
+
+
+@message(kind="model", signer=AGGREGATOR, party=None)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelUpdate(Message):
+    """Aggregator -> everyone (retained): the global model.
+
+    Attributes:
+        round_id: the round that produced it (0 for the initial model).
+        version: model version (0: the initial model; +1 per completed round).
+        arrays: the parameters in graph order.
+    """
+
+    round_id: int = Round()
+    version: int = Int(0, ROUND_HI)
+    arrays: tuple[WireArray, ...] = ListOf(Struct(WireArray), min=1, max="max_arrays")
+    sig: bytes = Sig()
+
+    def wire_check(self, limits: Limits) -> None:
+        total = sum(math.prod(a.shape) for a in self.arrays)
+        if total > limits.max_array_elements:
+            raise ValueError(f"the model has {total} values, above "
+                             f"{limits.max_array_elements}")
+
+    @classmethod
+    def of(cls, *, version: int, round_id: int, params: Iterable[np.ndarray]) -> ModelUpdate:
+        return cls(version=version, round_id=round_id,
+                   arrays=tuple(WireArray.of(p) for p in params))
+
+    def params(self) -> list[np.ndarray]:
+        return [a.to_numpy() for a in self.arrays]
+
+
+# =========================================================================== catalogs
+
+SecAggUp: TypeAlias = AdvertiseKeys | ShareKeys | MaskedPart | UnmaskResponse | RevealResponse
+SecAggDown: TypeAlias = NeighbourKeys | ForwardedShares | UnmaskRequest | RevealRequest
+
+SECAGG_UP = catalog(AdvertiseKeys, ShareKeys, MaskedPart, UnmaskResponse, RevealResponse)
+"""The SecAgg kinds a device sends (their signatures bind the RoundConfig digest)."""
+SECAGG_DOWN = catalog(NeighbourKeys, ForwardedShares, UnmaskRequest, RevealRequest)
+"""The SecAgg kinds the aggregator sends to one device."""
+UP_KINDS = catalog(CheckIn, Decline, *SECAGG_UP.values())
+"""Everything the aggregator accepts from a device (its ``up/<kind>`` topics)."""
+DOWN_KINDS = catalog(RoundPlan, ErrorNotice, *SECAGG_DOWN.values())
+"""Everything a device accepts on its ``down/<kind>`` topics."""
+MODEL_KINDS = catalog(ModelUpdate)
+"""The retained model topic's one kind."""
+DEVICE_KINDS = catalog(RoundPlan, ErrorNotice, ModelUpdate, *SECAGG_DOWN.values())
+"""Everything a device decodes (down topics and the model)."""
+ALL_KINDS = catalog(*UP_KINDS.values(), *DOWN_KINDS.values(), ModelUpdate)
+"""Every top-level kind (``encrypted_share`` only travels nested)."""
+
