@@ -441,3 +441,31 @@ def test_ddg_params_travel_in_a_plan(model) -> None:
         wire.encode(dataclasses.replace(plan, params=dataclasses.replace(w, sigma=-1.0)))
     with pytest.raises(ValueError, match="bits"):  # the ring's width, on the plan
         DdgRound.from_plan(dataclasses.replace(plan, bits=64), dim=d)
+
+
+def test_ddg_decodes_the_survivors_after_a_dropout(model, digits) -> None:
+    """A member that vanishes before uploading is not in PlainSum's total; the server
+    divides by the survivors it is told (the simulator's formula with r = survivors)."""
+    _, eng, params, d = model
+    n = 4
+    shards = _shards(digits, n)
+    _, plan, p = _ddg_setup(d, 1.0, n, [len(y) for _, y in shards])
+    contributions = [Ddg().device(p).contribute(params=params, data=shard, engine=eng,
+                                                coords=None, honest=n - 1,
+                                                rng=np.random.default_rng(300 + i))
+                     for i, shard in enumerate(shards)]
+    names = [f"d{i}" for i in range(n)]
+    cfg = secagg.RoundConfig.for_cohort(round_id=1, nonce=bytes(32), cohort=names, bits=p.bits,
+                                        length=p.length)
+    plain = PlainSum.for_config(cfg, vanished={"d2": "masked"})
+    assert plain.survivors == ("d0", "d1", "d3")
+    for name in plain.survivors:
+        plain.add(name, contributions[names.index(name)].values)
+    server = Ddg().server(p)
+    delta, _ = server.decode(plain.total(), 3, server.init(params), coords=None)
+    residue_sum = sum(contributions[i].values for i in (0, 1, 3))
+    summed = Ring(bits=p.bits).to_signed(residue_sum)
+    want = ((-p.lr * plan.gamma / (3 * p.nominal_samples)) * summed.astype(np.float64))
+    assert np.array_equal(flatten_params(delta), want.astype(np.float32))
+    with pytest.raises(ValueError, match="survivors"):
+        server.decode(plain.total(), 0, server.init(params), coords=None)
