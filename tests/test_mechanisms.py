@@ -469,3 +469,21 @@ def test_ddg_decodes_the_survivors_after_a_dropout(model, digits) -> None:
     assert np.array_equal(flatten_params(delta), want.astype(np.float32))
     with pytest.raises(ValueError, match="survivors"):
         server.decode(plain.total(), 0, server.init(params), coords=None)
+
+
+def test_ddg_public_calibrates_sigma_on_the_honest_shares(model) -> None:
+    _, _, _, d = model
+    sizes = [60, 70, 50, 60]
+    for sparsity in (1.0, 0.3):
+        _, plan, p = _ddg_setup(d, sparsity, 4, sizes)
+        kw = dict(noise_multiplier=2.0, clip=1.0, gamma=plan.gamma, sparsity=sparsity, lr=5.0,
+                  dim=d, cohort_size=4, nominal_samples=60.0, max_local_samples=70)
+        w, bits, length = ddg.ddg_public(honest=4, **kw)  # the simulator's n = r
+        assert (w.sigma, bits, length) == (plan.sigma, p.bits, plan.dim)
+        assert w == wire.DdgParams(clip=1.0, gamma=plan.gamma, sigma=plan.sigma,
+                                   sparsity=sparsity, lr=5.0, nominal_samples=60.0)
+        # R3: 1 colluder, min_survivors 3: each share is larger, so 2 of them carry z C/gamma
+        w2, bits2, _ = ddg.ddg_public(honest=2, **kw)
+        assert w2.sigma == pytest.approx(2.0 * 1024 / math.sqrt(2)) and bits2 >= bits
+    with pytest.raises(ValueError, match="honest"):
+        ddg.ddg_public(honest=5, **kw)

@@ -59,6 +59,7 @@ __all__ = [
     "DdgDevice",
     "DdgRound",
     "DdgServer",
+    "ddg_public",
     "device_sigma",
     "fedsgd_step",
     "max_abs_signal",
@@ -134,6 +135,34 @@ def fedsgd_step(total: np.ndarray, *, bits: int, gamma: float, lr: float, dim: i
     summed = Ring(bits=bits).to_signed(total)
     scale = -lr * (dim / length) * gamma / (survivors * nominal_samples)
     return (scale * summed.astype(np.float64)).astype(np.float32)
+
+
+def ddg_public(*, noise_multiplier: float, clip: float, gamma: float, sparsity: float,
+               lr: float, dim: int, cohort_size: int, honest: int, nominal_samples: float,
+               max_local_samples: int,
+               wrap_probability: float = WRAP_PROBABILITY) -> tuple[DdgParams, int, int]:
+    """The server's choice for one round (plan15 R3): (the plan's record, bits, length).
+
+    sigma is calibrated on the ``honest`` = min_survivors - max_colluders shares the events
+    account (:func:`device_sigma`), so the target's noise z (C / gamma) survives colluders
+    and dropouts; bits on all ``cohort_size`` shares (more shares, a wider sum) and the
+    public facts ``max_local_samples`` (the fleet's largest local data size) and
+    ``nominal_samples`` (its mean), never a round's data.
+
+    Raises:
+        ValueError: more than 62 bits needed, or bad values (named).
+    """
+    if not 1 <= honest <= cohort_size:
+        raise ValueError(f"honest must be in [1, cohort_size={cohort_size}], got {honest}")
+    length = dim if sparsity == 1.0 else compress.kept_count(dim, sparsity)
+    sigma = device_sigma(noise_multiplier, clip, gamma, honest)
+    l2, _ = sensitivities(clip, gamma, length)
+    bits = ring_bits(signal=max_abs_signal(cohort_size, max_local_samples, l2),
+                     cohort_size=cohort_size, length=length, sigma=sigma,
+                     wrap_probability=wrap_probability)
+    params = DdgParams(clip=clip, gamma=gamma, sigma=sigma, sparsity=sparsity, lr=lr,
+                       nominal_samples=nominal_samples)
+    return params, bits, length
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
