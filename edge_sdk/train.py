@@ -49,6 +49,8 @@ __all__ = [
     "local_round_update_noise",
     "coordinate_masks",
     "round_event",
+    "subsample_size",
+    "update_noise_event",
 ]
 
 Sampling = Literal["poisson", "shuffle"]
@@ -309,15 +311,29 @@ def local_round_update_noise(
             noise std divided by S). ``cfg.sampling`` and ``cfg.sparsity`` must be defaults.
         update_clip: S (default E * lr * C; must be finite when z > 0).
     """
-    update, n_sub, loss, s_bound = _subsample_update(engine, params, x, y, cfg, rng,
-                                                     update_clip, cfg.noise_multiplier > 0)
+    update, _, loss, s_bound = _subsample_update(engine, params, x, y, cfg, rng,
+                                                 update_clip, cfg.noise_multiplier > 0)
     std = cfg.noise_multiplier * s_bound
     if std > 0:
         update = [u + rng.normal(0.0, std, size=u.shape).astype(np.float32) for u in update]
-    event = SampledWithoutReplacementGaussian(
-        noise_multiplier=cfg.noise_multiplier / 2, sample_size=n_sub, dataset_size=len(y)
-    )
-    return LocalResult(update, event, len(y), loss)
+    return LocalResult(update, update_noise_event(len(y), cfg), len(y), loss)
+
+
+def subsample_size(m: int, cfg: LocalTraining) -> int:
+    """E*b, the records of a without-replacement subsample of the update-noise and binomial
+    rounds over ``m`` >= 1 local records, with b = min(B, max(1, m // E)) (public given m)."""
+    b = min(cfg.batch_size, max(1, m // cfg.steps))
+    return min(m, cfg.steps * b)
+
+
+def update_noise_event(m: int, cfg: LocalTraining) -> SampledWithoutReplacementGaussian:
+    """The privacy event of one :func:`local_round_update_noise` over ``m`` >= 1 records
+    (its docstring: the Gaussian of substitution sensitivity 2S on the subsample, amplified
+    by sampling without replacement, Wang, Balle, Kasiviswanathan 2019), known before any
+    training: ``SampledWithoutReplacementGaussian(z / 2, E*b, m)``."""
+    return SampledWithoutReplacementGaussian(
+        noise_multiplier=cfg.noise_multiplier / 2, sample_size=subsample_size(m, cfg),
+        dataset_size=m)
 
 
 def _subsample_update(engine, params, x, y, cfg: LocalTraining, rng, update_clip, noisy):
@@ -331,7 +347,7 @@ def _subsample_update(engine, params, x, y, cfg: LocalTraining, rng, update_clip
     if not s_bound > 0 or (noisy and not math.isfinite(s_bound)):
         raise ValueError(f"update_clip S must be > 0 and finite with noise, got {s_bound!r}")
     b = min(cfg.batch_size, max(1, m // cfg.steps))
-    n_sub = min(m, cfg.steps * b)
+    n_sub = subsample_size(m, cfg)
     subsample = rng.choice(m, size=n_sub, replace=False)
     theta = [np.array(p, dtype=np.float32, copy=True) for p in params]
     losses = 0.0

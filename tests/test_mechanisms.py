@@ -1,4 +1,4 @@
-"""edge_sdk.mechanisms (plan15 G1): the Gaussian mechanism's device and server halves.
+"""edge_sdk.mechanisms (plan15 G1, G4, G5): the mechanisms' device and server halves.
 
 That DeviceSession and RoundMachine now run these halves with the randomness drawn in
 the order of before (R8) is proven by tests/test_onepath_pins.py (the fleet pins hold);
@@ -13,17 +13,40 @@ from typing import Any
 import numpy as np
 import pytest
 
+from aggregator.plain_sum import PlainSum
 from edge_sdk import compress, secagg, wire
+from edge_sdk.ddp import choose_bits_bounded
 from edge_sdk.fixedpoint import FixedPoint
+from edge_sdk.hazmat.ring import Ring
 from edge_sdk.mechanisms import (
     MECHANISMS,
     Contribution,
+    Ddg,
     Gaussian,
     GaussianRound,
+    UpdateNoise,
+    ddg,
+)
+from edge_sdk.mechanisms.ddg import DdgRound
+from edge_sdk.mechanisms.update_noise import (
+    CLAMP_PROBABILITY,
+    UpdateNoiseRound,
+    fixed_point_for,
+    normal_tail_quantile,
+    update_noise_params,
+    value_bound,
 )
 from edge_sdk.model import flatten_params, init_params
+from edge_sdk.privacy import discrete_epsilon
 from edge_sdk.privacy.aggregate import aggregate_event
-from edge_sdk.train import LocalTraining, TrainingDiverged, local_round, round_event
+from edge_sdk.train import (
+    LocalTraining,
+    TrainingDiverged,
+    local_round,
+    local_round_ddg,
+    local_round_update_noise,
+    round_event,
+)
 
 SCALE = 2.0**16
 
@@ -52,8 +75,12 @@ def _shards(digits: Any, n: int, size: int = 60) -> list[tuple[np.ndarray, np.nd
 
 
 def test_registry() -> None:
-    assert dict(MECHANISMS) == {"gaussian": Gaussian}
+    assert dict(MECHANISMS) == {"gaussian": Gaussian, "update-noise": UpdateNoise, "ddg": Ddg}
     assert Gaussian.name == "gaussian" and Gaussian.Params is wire.GaussianParams
+    # every registered mechanism's params can travel in a plan, and nothing else can
+    assert set(wire.MECHANISM_PARAMS) == set(MECHANISMS)
+    for name, mech in MECHANISMS.items():
+        assert mech.name == name and mech.Params is wire.MECHANISM_PARAMS[name]
 
 
 def test_events_are_the_round_event_and_the_local_view_for_the_sum(model) -> None:
@@ -171,3 +198,292 @@ def test_params_from_a_plan_and_their_checks(model) -> None:
     with pytest.raises(ValueError):  # value_bound x cohort does not fit 32 bits at 2^30
         GaussianRound.from_plan(
             dataclasses.replace(plan, params=dataclasses.replace(params, scale=2.0**30)), dim=d)
+
+
+# ------------------------------------------------------------ update-noise and ddg (G4, G5)
+#
+# Each: contribute -> PlainSum (the fast path's sum, aggregator/plain_sum.py) -> decode,
+# against what tools/simulate.py computes for the same inputs and seeds (written out here as
+# the simulator wrote it before the bodies moved, so a change on either side shows).
+
+
+def _plain_sum(contributions: list[Contribution], *, bits: int, length: int) -> np.ndarray:
+    names = [f"d{i}" for i in range(len(contributions))]
+    cfg = secagg.RoundConfig.for_cohort(round_id=1, nonce=bytes(32), cohort=names, bits=bits,
+                                        length=length)
+    plain = PlainSum.for_config(cfg, vanished={})
+    assert plain.survivors == tuple(names)
+    for name, c in zip(names, contributions, strict=True):
+        plain.add(name, c.values)
+    return plain.total()
+
+
+def _un_round(d: int, *, quant_levels: int, cohort: int) -> UpdateNoiseRound:
+    w = update_noise_params(steps=3, batch_size=8, lr=0.5, clip=1.0, noise_multiplier=0.5,
+                            update_clip=None, quant_levels=quant_levels, cohort_size=cohort,
+                            bits=32)
+    return UpdateNoiseRound(
+        training=LocalTraining(steps=w.steps, batch_size=w.batch_size, lr=w.lr, clip=w.clip,
+                               noise_multiplier=w.noise_multiplier),
+        update_clip=w.update_clip, quant_levels=w.quant_levels, value_bound=w.value_bound,
+        fixed_point=FixedPoint(scale=w.scale, bits=32), dim=d, cohort_size=cohort)
+
+
+def test_update_noise_value_bound_is_stated_by_its_clamp_probability() -> None:
+    c = normal_tail_quantile(CLAMP_PROBABILITY)
+    assert math.erfc(c / math.sqrt(2)) <= 1e-9 < math.erfc((c - 1e-9) / math.sqrt(2))
+    assert c == pytest.approx(6.1094, abs=1e-4)
+    assert value_bound(2.0, 0.5) == 2.0 + c * 0.5 * 2.0
+    assert value_bound(2.0, 0.0) == 2.0  # no noise: the clip radius
+    for bad in (0.0, 1.0, math.nan):
+        with pytest.raises(ValueError, match="probability"):
+            normal_tail_quantile(bad)
+    with pytest.raises(ValueError, match="update_clip"):
+        value_bound(math.inf, 1.0)
+    # the finest power-of-two scale that fits: twice it would wrap
+    fp = fixed_point_for(value_bound(1.5, 1.0), 10, 32)
+    assert fp.check_no_wrap(value_bound(1.5, 1.0), 10) <= 32
+    with pytest.raises(ValueError, match="may wrap"):
+        FixedPoint(scale=2 * fp.scale, bits=32).check_no_wrap(value_bound(1.5, 1.0), 10)
+
+
+@pytest.mark.parametrize("quant_levels", [0, 16])
+def test_update_noise_sum_decodes_to_the_simulators_mean(model, digits,
+                                                         quant_levels: int) -> None:
+    from tools.simconfig import SimConfig
+    from tools.simulate import _upload
+
+    _, eng, params, d = model
+    n = 4
+    p = _un_round(d, quant_levels=quant_levels, cohort=n)
+    shards = _shards(digits, n)
+    half = UpdateNoise().device(p)
+    contributions = [half.contribute(params=params, data=shard, engine=eng, coords=None,
+                                     honest=n - 1, rng=np.random.default_rng(100 + i))
+                     for i, shard in enumerate(shards)]
+    total = _plain_sum(contributions, bits=32, length=d)
+    server = UpdateNoise().server(p)
+    delta, _ = server.decode(total, n, server.init(params), coords=None)
+    # the simulator's round (tools/simulate.py, mechanism "update-noise", weighting uniform)
+    sim = SimConfig(dataset="digits", model="logreg", devices=n, participation=1.0,
+                    rounds=1, local_steps=3, batch_size=8, lr=0.5, clip=1.0,
+                    noise_multiplier=0.5, mechanism="update-noise",
+                    quant_levels=quant_levels, progress=False)
+    acc = np.zeros(d)
+    for i, (x, y) in enumerate(shards):
+        rng = np.random.default_rng(100 + i)
+        res = local_round_update_noise(eng, params, x, y, sim.local(), rng, update_clip=None)
+        decoded, _, _ = _upload(flatten_params(res.update), sim, rng, 1, i)
+        acc += decoded
+        c = contributions[i]
+        # the events the simulator accounts; the sum gets no credit for others' noise
+        assert c.event == res.event == c.aggregate_event
+        assert c.event == UpdateNoise().device(p).events(m=len(y), honest=n - 1)[0]
+        assert c.diagnostics == {"clamped": 0}  # R4: the bound does not bite
+    mean = (acc / n).astype(np.float32)
+    got = flatten_params(delta)
+    # Not bit-identical: the simulator sends float32 (or QSGD) values, the mechanism rounds
+    # them stochastically onto the fixed-point grid (its rng draws come after the
+    # simulator's, so the values before encoding are the same). Each device's rounding moves
+    # a value by < 1/scale, so the mean by < 1/scale; plus one float32 rounding of each side.
+    ulp = float(np.spacing(np.float32(np.abs(mean).max())))
+    assert np.abs(got.astype(np.float64) - mean).max() <= 1 / p.fixed_point.scale + 2 * ulp
+    # in float64, before either float32 cast: the sum within n roundings of the simulator's
+    assert np.abs(p.fixed_point.decode(total, n) - acc).max() <= n / p.fixed_point.scale
+
+
+def test_update_noise_is_dense_and_refuses_a_wrapping_encoding(model, digits) -> None:
+    _, eng, params, d = model
+    p = _un_round(d, quant_levels=0, cohort=4)
+    with pytest.raises(ValueError, match="dense"):
+        UpdateNoise().device(p).contribute(params=params, data=_shards(digits, 1)[0],
+                                           engine=eng, coords=np.arange(3), honest=1,
+                                           rng=np.random.default_rng(0))
+    with pytest.raises(ValueError, match="may wrap"):
+        dataclasses.replace(p, fixed_point=FixedPoint(scale=2 * p.fixed_point.scale, bits=32))
+    with pytest.raises(ValueError, match="sparsity"):
+        dataclasses.replace(p, training=dataclasses.replace(p.training, sparsity=0.5))
+
+
+def _ddg_setup(d: int, sparsity: float, n: int, sizes: list[int]):
+    """The simulator's ddg parameters (tools.simulate.ddg_plan and its bits) and the round."""
+    from tools.simconfig import SimConfig
+    from tools.simulate import ddg_plan
+
+    sim = SimConfig(dataset="digits", model="logreg", devices=n, participation=1.0, rounds=1,
+                    local_steps=1, batch_size=16, lr=5.0, clip=1.0, delta=1e-3,
+                    noise_multiplier=2.0, mechanism="ddg", sparsity=sparsity, progress=False)
+    plan = ddg_plan(sim, d)
+    # as simulate() computed them before the bodies moved
+    bits = choose_bits_bounded(n * max(sizes) * plan.l2_sensitivity, n, plan.dim, plan.sigma,
+                               1e-9)
+    assert bits == ddg.ring_bits(signal=ddg.max_abs_signal(n, max(sizes), plan.l2_sensitivity),
+                                 cohort_size=n, length=plan.dim, sigma=plan.sigma)
+    assert plan.sigma == ddg.device_sigma(2.0, 1.0, plan.gamma, n)
+    rnd = DdgRound(clip=1.0, gamma=plan.gamma, sigma=plan.sigma, sparsity=sparsity, lr=5.0,
+                   nominal_samples=float(np.mean(sizes)), bits=bits, dim=d, length=plan.dim,
+                   cohort_size=n)
+    assert (rnd.l2_sensitivity, rnd.l1_sensitivity) == (plan.l2_sensitivity,
+                                                        plan.l1_sensitivity)
+    return sim, plan, rnd
+
+
+@pytest.mark.parametrize("sparsity", [1.0, 0.3])
+def test_ddg_sum_decodes_bit_identically_to_the_simulator(model, digits,
+                                                          sparsity: float) -> None:
+    _, eng, params, d = model
+    n = 4
+    shards = [(x[: 40 + 5 * i], y[: 40 + 5 * i]) for i, (x, y) in enumerate(_shards(digits, n))]
+    sizes = [len(y) for _, y in shards]
+    sim, plan, p = _ddg_setup(d, sparsity, n, sizes)
+    coords = None if sparsity == 1.0 else compress.coordinate_set(b"\x02" * 32, d, p.length)
+    half = Ddg().device(p)
+    contributions = [half.contribute(params=params, data=shard, engine=eng, coords=coords,
+                                     honest=n, rng=np.random.default_rng(200 + i))
+                     for i, shard in enumerate(shards)]
+    total = _plain_sum(contributions, bits=p.bits, length=p.length)
+    server = Ddg().server(p)
+    delta, _ = server.decode(total, n, server.init(params), coords=coords)
+    # the simulator's round, as tools/simulate.py wrote it
+    residue_sum = np.zeros(p.length, dtype=np.uint64)
+    for i, (x, y) in enumerate(shards):
+        res = local_round_ddg(eng, params, x, y, np.random.default_rng(200 + i), clip=sim.clip,
+                              gamma=plan.gamma, sigma=plan.sigma, bits=p.bits, coords=coords)
+        residue_sum += res.residues
+        c = contributions[i]
+        assert np.array_equal(c.values, res.residues)
+        assert c.diagnostics["max_abs_integer"] == int(np.abs(res.integers).max())
+        # the event the simulator accounts (n = r shares, zero-out), and the upload alone
+        assert c.aggregate_event == plan.event(adjacency="zero_out")
+        assert c.event == dataclasses.replace(plan.event(adjacency="zero_out"), devices=1)
+    summed = Ring(bits=p.bits).to_signed(residue_sum)
+    scale = -sim.lr * (d / p.length) * plan.gamma / (n * float(np.mean(sizes)))
+    mean_kept = (scale * summed.astype(np.float64)).astype(np.float32)
+    dense = mean_kept if coords is None else np.zeros(d, dtype=np.float32)
+    if coords is not None:
+        dense[coords] = mean_kept
+    got = flatten_params(delta)
+    assert got.dtype == np.float32 and np.array_equal(got, dense)  # same integers, same ops
+    assert np.abs(dense).max() > 0
+
+
+def test_ddg_events_count_the_honest_shares_under_zero_out(model) -> None:
+    _, _, _, d = model
+    _, plan, p = _ddg_setup(d, 1.0, 6, [60])
+    local, agg = Ddg().device(p).events(m=60, honest=6 - 1 - 1)  # min_survivors 5, 1 colluder
+    assert agg.devices == 4 and local.devices == 1
+    assert agg.adjacency == local.adjacency == "zero_out"
+    assert (agg.l2_sensitivity, agg.sigma, agg.dim) == (plan.l2_sensitivity, plan.sigma, p.length)
+    # fewer honest shares: a larger epsilon, never the cohort's smaller one (R3)
+    eps = [discrete_epsilon(e, 1e-5) for e in (plan.event(adjacency="zero_out"), agg, local)]
+    assert eps[0] < eps[1] < eps[2]
+
+
+def test_ddg_refuses_coordinates_that_are_not_the_rounds(model, digits) -> None:
+    _, eng, params, d = model
+    _, _, p = _ddg_setup(d, 0.3, 4, [60])
+    for coords in (None, np.arange(p.length - 1)):
+        with pytest.raises(ValueError, match="coords"):
+            Ddg().device(p).contribute(params=params, data=_shards(digits, 1)[0], engine=eng,
+                                       coords=coords, honest=1, rng=np.random.default_rng(0))
+    with pytest.raises(ValueError, match="rand-k"):
+        dataclasses.replace(p, length=p.length + 1)
+    with pytest.raises(ValueError, match="bits"):
+        dataclasses.replace(p, bits=63)
+
+
+def _plan(mechanism: str, params: Any, *, bits: int, length: int) -> Any:
+    agg = secagg.AggregatorIdentity.generate()
+    cfg = secagg.RoundConfig.for_cohort(round_id=3, nonce=bytes(32),
+                                        cohort=[f"d{i}" for i in range(5)], bits=bits,
+                                        length=length)
+    plan = wire.sign(wire.RoundPlan(
+        round_id=3, model_version=0, cohort=cfg.cohort, mechanism=mechanism, params=params,
+        round_seed=bytes(32), bits=bits, length=length, nonce=cfg.nonce, degree=cfg.degree,
+        threshold=cfg.threshold, min_survivors=cfg.threshold, max_colluders=1,
+        stage_timeout=10.0), agg)
+    back = wire.decode(wire.encode(plan), wire.ALL_KINDS)
+    assert back == plan and type(back.params) is type(params)  # the record round-trips
+    return back
+
+
+def test_update_noise_params_travel_in_a_plan(model) -> None:
+    _, _, _, d = model
+    w = update_noise_params(steps=2, batch_size=8, lr=0.1, clip=1.0, noise_multiplier=1.5,
+                            update_clip=0.3, quant_levels=4, cohort_size=5, bits=32)
+    plan = _plan("update-noise", w, bits=32, length=d)
+    p = UpdateNoiseRound.from_plan(plan, dim=d)
+    assert p.training == LocalTraining(steps=2, batch_size=8, lr=0.1, clip=1.0,
+                                       noise_multiplier=1.5)
+    assert (p.update_clip, p.quant_levels, p.value_bound, p.dim, p.cohort_size) == (
+        0.3, 4, value_bound(0.3, 1.5), d, 5)
+    assert p.fixed_point == FixedPoint(scale=w.scale, bits=32)
+    with pytest.raises(ValueError, match="length"):
+        UpdateNoiseRound.from_plan(plan, dim=d + 1)
+    with pytest.raises(ValueError, match="update_clip"):  # checked as a receiver checks
+        wire.encode(dataclasses.replace(plan, params=dataclasses.replace(w, update_clip=-1.0)))
+    with pytest.raises(ValueError, match="must be a DdgParams"):  # another mechanism's record
+        wire.encode(dataclasses.replace(plan, mechanism="ddg"))
+
+
+def test_ddg_params_travel_in_a_plan(model) -> None:
+    _, _, _, d = model
+    k = compress.kept_count(d, 0.5)
+    w = wire.DdgParams(clip=1.0, gamma=1 / 1024, sigma=300.5, sparsity=0.5, lr=5.0,
+                       nominal_samples=59.5)
+    plan = _plan("ddg", w, bits=40, length=k)
+    p = DdgRound.from_plan(plan, dim=d)
+    assert p == DdgRound(clip=1.0, gamma=1 / 1024, sigma=300.5, sparsity=0.5, lr=5.0,
+                         nominal_samples=59.5, bits=40, dim=d, length=k, cohort_size=5)
+    with pytest.raises(ValueError, match="rand-k"):
+        DdgRound.from_plan(plan, dim=d + 7)
+    with pytest.raises(ValueError, match="sigma"):  # checked as a receiver checks
+        wire.encode(dataclasses.replace(plan, params=dataclasses.replace(w, sigma=-1.0)))
+    with pytest.raises(ValueError, match="bits"):  # the ring's width, on the plan
+        DdgRound.from_plan(dataclasses.replace(plan, bits=64), dim=d)
+
+
+def test_ddg_decodes_the_survivors_after_a_dropout(model, digits) -> None:
+    """A member that vanishes before uploading is not in PlainSum's total; the server
+    divides by the survivors it is told (the simulator's formula with r = survivors)."""
+    _, eng, params, d = model
+    n = 4
+    shards = _shards(digits, n)
+    _, plan, p = _ddg_setup(d, 1.0, n, [len(y) for _, y in shards])
+    contributions = [Ddg().device(p).contribute(params=params, data=shard, engine=eng,
+                                                coords=None, honest=n - 1,
+                                                rng=np.random.default_rng(300 + i))
+                     for i, shard in enumerate(shards)]
+    names = [f"d{i}" for i in range(n)]
+    cfg = secagg.RoundConfig.for_cohort(round_id=1, nonce=bytes(32), cohort=names, bits=p.bits,
+                                        length=p.length)
+    plain = PlainSum.for_config(cfg, vanished={"d2": "masked"})
+    assert plain.survivors == ("d0", "d1", "d3")
+    for name in plain.survivors:
+        plain.add(name, contributions[names.index(name)].values)
+    server = Ddg().server(p)
+    delta, _ = server.decode(plain.total(), 3, server.init(params), coords=None)
+    residue_sum = sum(contributions[i].values for i in (0, 1, 3))
+    summed = Ring(bits=p.bits).to_signed(residue_sum)
+    want = ((-p.lr * plan.gamma / (3 * p.nominal_samples)) * summed.astype(np.float64))
+    assert np.array_equal(flatten_params(delta), want.astype(np.float32))
+    with pytest.raises(ValueError, match="survivors"):
+        server.decode(plain.total(), 0, server.init(params), coords=None)
+
+
+def test_ddg_public_calibrates_sigma_on_the_honest_shares(model) -> None:
+    _, _, _, d = model
+    sizes = [60, 70, 50, 60]
+    for sparsity in (1.0, 0.3):
+        _, plan, p = _ddg_setup(d, sparsity, 4, sizes)
+        kw = dict(noise_multiplier=2.0, clip=1.0, gamma=plan.gamma, sparsity=sparsity, lr=5.0,
+                  dim=d, cohort_size=4, nominal_samples=60.0, max_local_samples=70)
+        w, bits, length = ddg.ddg_public(honest=4, **kw)  # the simulator's n = r
+        assert (w.sigma, bits, length) == (plan.sigma, p.bits, plan.dim)
+        assert w == wire.DdgParams(clip=1.0, gamma=plan.gamma, sigma=plan.sigma,
+                                   sparsity=sparsity, lr=5.0, nominal_samples=60.0)
+        # R3: 1 colluder, min_survivors 3: each share is larger, so 2 of them carry z C/gamma
+        w2, bits2, _ = ddg.ddg_public(honest=2, **kw)
+        assert w2.sigma == pytest.approx(2.0 * 1024 / math.sqrt(2)) and bits2 >= bits
+    with pytest.raises(ValueError, match="honest"):
+        ddg.ddg_public(honest=5, **kw)

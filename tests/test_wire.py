@@ -292,7 +292,8 @@ def _mutate(msg: wire.Message, **changes) -> bytes:
     ("plan", {"params": {"clip": float("inf")}}, "clip"),
     ("plan", {"params": {"sparsity": 1.5}}, "sparsity"),
     ("plan", {"params": {"sampling": "x" * 1000}}, "at most 256"),
-    ("plan", {"mechanism": "ddg"}, "field 'mechanism'"),
+    ("plan", {"mechanism": "binomial"}, "field 'mechanism'"),  # simulation-only: no record
+    ("plan", {"mechanism": "ddg"}, "field 'params'"),  # gaussian's fields under ddg's record
     ("plan", {"threshold": 1}, "secagg parameters"),
     ("plan", {"degree": 1}, "degree"),
     ("plan", {"cohort": ["dev-b", "dev-a", "dev-c", "dev-d"]}, "sorted"),

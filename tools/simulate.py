@@ -60,14 +60,10 @@ from aggregator.optimizers import OPTIMIZERS
 from aggregator.rounds import round_secrets
 from edge_sdk import compress
 from edge_sdk.csprng import seeded_round_rng
-from edge_sdk.ddp import (
-    DEFAULT_BETA,
-    bounded_wrap_probability,
-    choose_bits_bounded,
-    rounded_l2_bound,
-)
+from edge_sdk.ddp import DEFAULT_BETA, bounded_wrap_probability
 from edge_sdk.engine import load_engine
 from edge_sdk.hazmat.ring import Ring
+from edge_sdk.mechanisms import ddg as ddg_mech
 from edge_sdk.model import build_spec, flatten_params, init_params, unflatten_params
 from edge_sdk.privacy import DistributedDiscreteGaussian, RdpAccountant
 from edge_sdk.privacy.binomial import (
@@ -108,7 +104,7 @@ rounding adds at most sqrt(k) to its L2 bound (0.3% at the CNN's k = 21,840) and
 variance is far below the noise's."""
 
 # Per round; a union bound over 45 rounds is still negligible.
-_DDG_WRAP_PROBABILITY = 1e-9
+_DDG_WRAP_PROBABILITY = ddg_mech.WRAP_PROBABILITY
 
 
 class _Progress:
@@ -222,15 +218,11 @@ class DdgPlan:
         ``"zero_out"`` (the same D2: a null sample's rounded row is 0; either way the device
         stays in the round and its noise share stays in the sum, which the bound needs),
         or ``"substitution"`` (D2 and D1 doubled). Assumes n = r shares (see ``devices``).
+        The mechanism's own function (:func:`edge_sdk.mechanisms.ddg.sample_event`).
         """
-        if adjacency not in ("add_remove", "zero_out", "substitution"):
-            raise ValueError("adjacency must be 'add_remove', 'zero_out' or 'substitution', "
-                             f"got {adjacency!r}")
-        twice = 2.0 if adjacency == "substitution" else 1.0  # exact scaling
-        return DistributedDiscreteGaussian(
-            l2_sensitivity=twice * self.l2_sensitivity,
-            l1_sensitivity=twice * self.l1_sensitivity, sigma=self.sigma,
-            devices=self.devices, dim=self.dim, steps=steps, adjacency=adjacency)
+        return ddg_mech.sample_event(l2=self.l2_sensitivity, l1=self.l1_sensitivity,
+                                     sigma=self.sigma, devices=self.devices, dim=self.dim,
+                                     steps=steps, adjacency=adjacency)
 
 
 def ddg_plan(cfg: SimConfig, num_params: int) -> DdgPlan:
@@ -240,11 +232,10 @@ def ddg_plan(cfg: SimConfig, num_params: int) -> DdgPlan:
     gamma = cfg.ddg_gamma if cfg.ddg_gamma is not None else cfg.clip / DDG_SCALE
     k = num_params if cfg.sparsity == 1.0 else compress.kept_count(num_params, cfg.sparsity)
     r = cfg.cohort_size
-    l2 = rounded_l2_bound(cfg.clip / gamma, k, DEFAULT_BETA)
-    return DdgPlan(gamma=gamma, sigma=cfg.noise_multiplier * (cfg.clip / gamma) / math.sqrt(r),
-                   l2_sensitivity=l2,
-                   l1_sensitivity=math.nextafter(min(math.sqrt(k) * l2, l2 * l2), math.inf),
-                   dim=k, devices=r)
+    l2, l1 = ddg_mech.sensitivities(cfg.clip, gamma, k)
+    return DdgPlan(gamma=gamma, sigma=ddg_mech.device_sigma(cfg.noise_multiplier, cfg.clip,
+                                                            gamma, r),
+                   l2_sensitivity=l2, l1_sensitivity=l1, dim=k, devices=r)
 
 
 def _upload_ddg(k: int, bits: int, rnd: int, device: int) -> tuple[int, int]:
@@ -307,8 +298,9 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
         # Public: the fleet's mean local data size (never the true count of the round,
         # which depends on the data), and the largest one for the ring's worst case.
         nominal = float(np.mean(sizes))
-        max_signal = r * max(sizes) * ddg.l2_sensitivity
-        bits = choose_bits_bounded(max_signal, r, k, ddg.sigma, _DDG_WRAP_PROBABILITY)
+        max_signal = ddg_mech.max_abs_signal(r, max(sizes), ddg.l2_sensitivity)
+        bits = ddg_mech.ring_bits(signal=max_signal, cohort_size=r, length=k, sigma=ddg.sigma,
+                                  wrap_probability=_DDG_WRAP_PROBABILITY)
         ddg_facts = {"gamma": ddg.gamma, "sigma_dev": ddg.sigma,
                      "summed_noise_std_model_units": ddg.sigma * ddg.gamma * math.sqrt(r),
                      "bits": bits, "l2_sensitivity": ddg.l2_sensitivity,
@@ -383,8 +375,9 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
             summed = Ring(bits=bits).to_signed(residue_sum)
             ddg_facts["wrapped_coordinates"] += int(np.count_nonzero(summed != plain_sum))
             # FedSGD: -lr times the mean clipped gradient, / p for rand-k (Fed-SPA eq. (5))
-            scale = -cfg.lr * (d / k) * ddg.gamma / (r * nominal)
-            mean_kept = (scale * summed.astype(np.float64)).astype(np.float32)
+            mean_kept = ddg_mech.fedsgd_step(residue_sum, bits=bits, gamma=ddg.gamma,
+                                             lr=cfg.lr, dim=d, length=k, survivors=r,
+                                             nominal_samples=nominal)
         else:
             mean_kept = (total / sum(weights)).astype(np.float32)
         dense = mean_kept if coords is None else np.zeros(d, dtype=np.float32)

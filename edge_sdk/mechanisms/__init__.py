@@ -10,16 +10,27 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from edge_sdk.mechanisms.base import Contribution, DeviceHalf, Mechanism, ServerHalf
+from edge_sdk.mechanisms.ddg import Ddg, DdgDevice, DdgRound, DdgServer
 from edge_sdk.mechanisms.gaussian import (
     Gaussian,
     GaussianDevice,
     GaussianRound,
     GaussianServer,
 )
+from edge_sdk.mechanisms.update_noise import (
+    UpdateNoise,
+    UpdateNoiseDevice,
+    UpdateNoiseRound,
+    UpdateNoiseServer,
+)
 
 __all__ = [
     "MECHANISMS",
     "Contribution",
+    "Ddg",
+    "DdgDevice",
+    "DdgRound",
+    "DdgServer",
     "DeviceHalf",
     "Gaussian",
     "GaussianDevice",
@@ -27,7 +38,11 @@ __all__ = [
     "GaussianServer",
     "Mechanism",
     "ServerHalf",
+    "UpdateNoise",
+    "UpdateNoiseDevice",
+    "UpdateNoiseRound",
+    "UpdateNoiseServer",
 ]
 
-MECHANISMS: Mapping[str, type] = {Gaussian.name: Gaussian}
+MECHANISMS: Mapping[str, type] = {m.name: m for m in (Gaussian, UpdateNoise, Ddg)}
 """Mechanism name -> class."""

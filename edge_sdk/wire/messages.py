@@ -84,6 +84,7 @@ __all__ = [
     "UP_KINDS",
     "AdvertiseKeys",
     "CheckIn",
+    "DdgParams",
     "Decline",
     "EncryptedShare",
     "ErrorNotice",
@@ -98,6 +99,7 @@ __all__ = [
     "ShareKeys",
     "UnmaskRequest",
     "UnmaskResponse",
+    "UpdateNoiseParams",
     "WireArray",
     "colluder_problem",
 ]
@@ -198,9 +200,64 @@ class GaussianParams(Record):
     value_bound: float = Float(0.0, open_lo=True)
 
 
-MECHANISM_PARAMS: Mapping[str, type[Record]] = MappingProxyType({"gaussian": GaussianParams})
+@record
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdateNoiseParams(Record):
+    """The ``update-noise`` mechanism's part of a round plan: privatized FedPAQ (Reisizadeh
+    et al., AISTATS 2020, Alg. 2; ``edge_sdk.mechanisms.update_noise``): noise once on the
+    clipped update, encoded in fixed point for secure aggregation.
+
+    Attributes:
+        steps, batch_size, lr, clip: the local round E, b, lr and per-sample clip C
+            (``edge_sdk.train.local_round_update_noise``; a without-replacement subsample).
+        update_clip: S, the L2 bound of the update (model units).
+        noise_multiplier: z (the update's noise std is z*S).
+        quant_levels: QSGD levels s applied to the noisy update before encoding (0: none).
+        scale, value_bound: fixed-point encoding (``fixedpoint.FixedPoint``); each value is
+            clamped to [-value_bound, value_bound] first so the cohort's sum cannot wrap
+            (``update_noise.value_bound`` sets it at a stated clamp probability).
+    """
+
+    steps: int = Int(1, 1 << 20)
+    batch_size: int = Int(1, 1 << 24)
+    lr: float = Float(0.0, open_lo=True)
+    clip: float = Float(0.0, open_lo=True)
+    update_clip: float = Float(0.0, open_lo=True)
+    noise_multiplier: float = Float(0.0)
+    quant_levels: int = Int(0, (1 << 31) - 1)
+    scale: float = Float(0.0, open_lo=True)
+    value_bound: float = Float(0.0, open_lo=True)
+
+
+@record
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DdgParams(Record):
+    """The ``ddg`` mechanism's part of a round plan: FedSGD with the distributed discrete
+    Gaussian (Kairouz, Liu, Steinke, ICML 2021; ``edge_sdk.mechanisms.ddg``), integers
+    straight into the ring (the plan's ``bits``).
+
+    Attributes:
+        clip: per-sample L2 bound C (model units).
+        gamma: model units per integer step.
+        sigma: each device's discrete Gaussian parameter (integer scale).
+        sparsity: rand-k kept fraction p (1: dense; the set from the plan's ``round_seed``).
+        lr: the FedSGD step the server takes along the decoded mean gradient.
+        nominal_samples: the fleet's public mean local data size (the decode's divisor;
+            never a round's true count, which depends on the data).
+    """
+
+    clip: float = Float(0.0, open_lo=True)
+    gamma: float = Float(0.0, open_lo=True)
+    sigma: float = Float(0.0)
+    sparsity: float = Float(0.0, 1.0, open_lo=True)
+    lr: float = Float(0.0, open_lo=True)
+    nominal_samples: float = Float(0.0, open_lo=True)
+
+
+MECHANISM_PARAMS: Mapping[str, type[Record]] = MappingProxyType({
+    "gaussian": GaussianParams, "update-noise": UpdateNoiseParams, "ddg": DdgParams})
 """Each mechanism's parameter record, by the name a plan's ``mechanism`` field carries
-(only ``gaussian`` until phase G registers the others)."""
+(``edge_sdk.mechanisms.MECHANISMS`` has the same names)."""
 
 
 def colluder_problem(max_colluders: int, *, threshold: int, min_survivors: int) -> str | None:
