@@ -4,11 +4,14 @@ One :class:`RoundMachine` runs a fleet's rounds (DESIGN, "One round, as data flo
 
     IDLE            collect check-ins; once enough eligible devices are in, select a cohort
                     uniformly (rng seeded by (policy.seed, round id)) and send the plan
+                    (``aggregator.round_core``: draw_cohort, draw_plan)
     COLLECT_KEYS    AdvertiseKeys          -> close_advertise()    -> NeighbourKeys
     COLLECT_SHARES  ShareKeys              -> close_share_keys()   -> ForwardedShares
     COLLECT_MASKED  MaskedPart s           -> close_masked_input() -> UnmaskRequest
-    COLLECT_UNMASK  UnmaskResponse         -> finalize(): decode the sum, server optimizer,
-                                              publish the new model (retained) -> IDLE
+    COLLECT_UNMASK  UnmaskResponse         -> finalize(); round_core.finish: the plan's
+                                              mechanism decodes the sum, the server
+                                              optimizer applies it; publish the new model
+                                              (retained) -> IDLE
 
 A stage closes as soon as every device still expected has answered, or at its deadline
 (``policy.stage_timeout`` after it opened); devices missing then are dropped and the
@@ -78,26 +81,29 @@ import msgpack
 import numpy as np
 
 from aggregator.errors import AggregatorError
-from aggregator.fedavg import select_cohort
 from aggregator.guard import FloodGuard, FloodLimits
 from aggregator.optimizers import OPTIMIZERS
+from aggregator.round_core import (
+    RoundPolicy,
+    draw_cohort,
+    draw_plan,
+    finish,
+    round_secrets,
+    server_half,
+)
 from aggregator.secagg_server import CLOSE, RECV, SecAggServer, ServerStage
-from edge_sdk import compress, wire
+from edge_sdk import wire
 from edge_sdk.errors import (
     LocalProtocolError,
     RemoteProtocolError,
     ReplayedMessage,
     RoundFailed,
 )
-from edge_sdk.fixedpoint import FixedPoint
-from edge_sdk.hazmat import graph
-from edge_sdk.mechanisms.gaussian import Gaussian, GaussianRound
 from edge_sdk.secagg import AggregatorIdentity, Registry, RoundConfig
 from edge_sdk.wire import (
     CheckIn,
     Decline,
     ErrorNotice,
-    GaussianParams,
     ModelUpdate,
     Publish,
     RoundPlan,
@@ -135,130 +141,6 @@ _EVENTS = 4096  # events kept for a driver that does not take them (oldest dropp
 
 class SnapshotError(AggregatorError):
     """A snapshot that cannot be restored (malformed, another policy, another model)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RoundPolicy:
-    """How the aggregator runs rounds (validated on construction).
-
-    Attributes:
-        fleet: the fleet name (topics ``fedge/<fleet>/...``).
-        cohort_size: r, devices selected per round (>= 3, secure aggregation's minimum).
-        min_cohort: start a round with fewer (>= 3) once ``checkin_window`` has passed
-            with at least this many eligible devices; default ``cohort_size``.
-        checkin_window: seconds to wait for a full cohort once ``min_cohort`` is reached.
-        stage_timeout: seconds per secure-aggregation stage.
-        min_survivors: the fewest uploads ever unmasked (a round with fewer fails; the
-            devices' aggregate view counts min_survivors - max_colluders members' noise
-            where a theorem allows it, and devices refuse to unmask fewer); default the
-            threshold.
-        max_colluders: cohort members assumed to collude with the aggregator (default 1,
-            sent in every plan; the aggregate view counts only the other members' noise).
-            Must be below the threshold and leave min_survivors - max_colluders >= 1
-            (``wire.colluder_problem``).
-        max_rounds: stop starting rounds after this many (None: never stop).
-        steps, batch_size, lr, sampling, clip, noise_multiplier: the local round.
-        sparsity: rand-k kept fraction p; quant_levels: QSGD levels (0: none).
-        bits: ring size of the secure sum; value_bound: each uploaded value is clamped to
-            [-value_bound, value_bound]; scale: fixed-point scale (None: the largest for
-            which a cohort's sum cannot wrap).
-        degree, threshold: SecAgg+ neighbourhood (None: ``secagg`` defaults).
-        server_opt, server_lr: server optimizer from ``aggregator.optimizers.OPTIMIZERS``.
-        seed: seeds the cohort selection (with the round id).
-        max_packet: largest MQTT payload the devices may send (their chunk size).
-    """
-
-    fleet: str
-    cohort_size: int
-    min_cohort: int | None = None
-    checkin_window: float = 0.0
-    stage_timeout: float = 30.0
-    min_survivors: int | None = None
-    max_colluders: int = 1
-    max_rounds: int | None = None
-    steps: int = 10
-    batch_size: int = 16
-    lr: float = 0.1
-    sampling: str = "poisson"
-    clip: float = 1.0
-    noise_multiplier: float = 1.0
-    sparsity: float = 1.0
-    quant_levels: int = 0
-    bits: int = 32
-    value_bound: float = 1.0
-    scale: float | None = None
-    degree: int | None = None
-    threshold: int | None = None
-    server_opt: str = "fedavg"
-    server_lr: float = 1.0
-    seed: int = 0
-    max_packet: int = wire.DEFAULT_MAX_PACKET
-
-    def __post_init__(self) -> None:
-        wire.check_name("fleet", self.fleet)
-        if not (isinstance(self.cohort_size, int) and self.cohort_size >= 3):
-            raise ValueError(f"cohort_size must be an integer >= 3, got {self.cohort_size!r}")
-        if self.min_cohort is not None and not 3 <= self.min_cohort <= self.cohort_size:
-            raise ValueError(f"min_cohort must be in [3, cohort_size={self.cohort_size}], "
-                             f"got {self.min_cohort!r}")
-        for name in ("checkin_window", "stage_timeout"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"{name} must be finite and >= 0, got {v!r}")
-        if not self.stage_timeout > 0:
-            raise ValueError(f"stage_timeout must be > 0, got {self.stage_timeout!r}")
-        if self.max_rounds is not None and self.max_rounds < 0:
-            raise ValueError(f"max_rounds must be None or >= 0, got {self.max_rounds!r}")
-        if self.sampling not in ("poisson", "shuffle"):
-            raise ValueError(f"sampling must be 'poisson' or 'shuffle', got {self.sampling!r}")
-        if not (math.isfinite(self.clip) and self.clip > 0):
-            raise ValueError(f"clip must be finite and > 0, got {self.clip!r}")
-        if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
-            raise ValueError(
-                f"noise_multiplier must be finite and >= 0, got {self.noise_multiplier!r}")
-        if not 0 < self.sparsity <= 1:
-            raise ValueError(f"sparsity must be in (0, 1], got {self.sparsity!r}")
-        if not (math.isfinite(self.value_bound) and self.value_bound > 0):
-            raise ValueError(f"value_bound must be finite and > 0, got {self.value_bound!r}")
-        if self.server_opt not in OPTIMIZERS:
-            raise ValueError(f"server_opt must be one of {sorted(OPTIMIZERS)}, "
-                             f"got {self.server_opt!r}")
-        k = self.config_degree(self.cohort_size)
-        t = self.config_threshold(k)
-        if not 2 * t > k or t > k:
-            raise ValueError(f"threshold must be in (degree/2, degree] = ({k / 2}, {k}], got {t}")
-        s = self.survivors_needed(self.min_cohort or self.cohort_size)
-        if not t <= s <= (self.min_cohort or self.cohort_size):
-            raise ValueError(f"min_survivors must be in [threshold={t}, min cohort], got {s}")
-        n_min = self.min_cohort or self.cohort_size  # the smallest cohort has the lowest t
-        problem = wire.colluder_problem(
-            self.max_colluders, threshold=self.config_threshold(self.config_degree(n_min)),
-            min_survivors=s)
-        if problem:
-            raise ValueError(problem)
-        FixedPoint(scale=self.fixed_point_scale(), bits=self.bits).check_no_wrap(
-            self.value_bound, self.cohort_size)
-
-    def config_degree(self, n: int) -> int:
-        if self.degree is None:
-            return graph.default_degree(n)
-        return min(n - 1, self.degree + self.degree % 2)
-
-    def config_threshold(self, degree: int) -> int:
-        return graph.default_threshold(degree) if self.threshold is None else self.threshold
-
-    def survivors_needed(self, n: int) -> int:
-        if self.min_survivors is not None:
-            return self.min_survivors
-        return self.config_threshold(self.config_degree(n))
-
-    def fixed_point_scale(self) -> float:
-        if self.scale is not None:
-            return self.scale
-        # two bits of margin below the exact bound, so that no float rounding of
-        # value_bound * scale can push the sum across the sign bit
-        cohort_bits = (self.cohort_size - 1).bit_length()
-        return min(2.0 ** (self.bits - 3 - cohort_bits), 2.0**52) / self.value_bound
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -412,14 +294,6 @@ class _Round:
     outbox: list[Publish]
     next_resend: float = math.inf
     resends: int = 0
-
-
-def round_secrets(random_bytes: Callable[[int], bytes]) -> tuple[bytes, bytes]:
-    """A round's (round_seed, nonce), 32 bytes each, drawn from ``random_bytes`` in that
-    order: the only draws a :class:`RoundMachine` makes from its source, one pair per round
-    it starts (a simulator that replays a seeded source replays the rounds' seeds)."""
-    round_seed = random_bytes(32)
-    return round_seed, random_bytes(32)
 
 
 def _tree_leaves(tree: Any) -> list[np.ndarray]:
@@ -813,15 +687,11 @@ class RoundMachine:
             return self._fail(now, str(e))
         survivors = r.server.survivors
         plan = r.plan
-        d = self.dimension
-        coords = (None if plan.params.sparsity == 1.0
-                  else compress.coordinate_set(plan.round_seed, d, plan.length))
-        server = Gaussian().server(GaussianRound.from_plan(plan, dim=d))
-        delta, _ = server.decode(total, len(survivors), server.init(self._params),
-                                 coords=coords)
-        params, state = self._opt.update(delta, self._opt_state, self._params)
-        self._params = [np.asarray(p, dtype=np.float32) for p in params]
-        self._opt_state = state
+        done = finish(plan, total, len(survivors), params=self._params,
+                      server=server_half(plan, dim=self.dimension), optimizer=self._opt,
+                      opt_state=self._opt_state)
+        self._params = done.params
+        self._opt_state = done.opt_state
         self._version += 1
         self._model_round = plan.round_id
         self._model_msg = self._sign_model(plan.round_id)
@@ -903,25 +773,11 @@ class RoundMachine:
     def _start(self, now: float, eligible: list[str]) -> list[Publish]:
         pol = self.policy
         round_id = self._last_round + 1
-        n = min(pol.cohort_size, len(eligible))
-        cohort = select_cohort(eligible, n, seed=pol.seed, round_id=round_id)
-        round_seed, nonce = round_secrets(self._random)
-        d = self.dimension
-        k = d if pol.sparsity == 1.0 else compress.kept_count(d, pol.sparsity)
-        degree = pol.config_degree(n)
-        params = GaussianParams(
-            steps=pol.steps, batch_size=pol.batch_size, lr=float(pol.lr),
-            sampling=pol.sampling, clip=float(pol.clip),
-            noise_multiplier=float(pol.noise_multiplier), sparsity=float(pol.sparsity),
-            quant_levels=pol.quant_levels, scale=float(pol.fixed_point_scale()),
-            value_bound=float(pol.value_bound))
-        plan = wire.sign(RoundPlan(
-            round_id=round_id, model_version=self._version, cohort=cohort,
-            mechanism="gaussian", params=params, round_seed=round_seed, bits=pol.bits,
-            length=k, nonce=nonce, degree=degree,
-            threshold=pol.config_threshold(degree), min_survivors=pol.survivors_needed(n),
-            max_colluders=pol.max_colluders, stage_timeout=float(pol.stage_timeout),
-        ), self._idn)
+        cohort = draw_cohort(eligible, policy=pol, round_id=round_id)
+        n = len(cohort)
+        plan = wire.sign(draw_plan(pol, round_id=round_id, model_version=self._version,
+                                   cohort=cohort, dim=self.dimension,
+                                   random_bytes=self._random), self._idn)
         server = SecAggServer(identity=self._idn, registry=self._reg,
                               config=RoundConfig.of_plan(plan))
         payload = wire.encode(plan)
@@ -1035,7 +891,8 @@ class RoundMachine:
                  checkpoint: Callable[[bytes], None] | None) -> RoundMachine:
         if s.get("format") != SNAPSHOT_FORMAT or s.get("v") != SNAPSHOT_VERSION:
             raise SnapshotError(f"not a {SNAPSHOT_FORMAT} v{SNAPSHOT_VERSION} snapshot")
-        if s["policy"] != dataclasses.asdict(policy):
+        # snapshots taken before the policy named its mechanism ran the only one there was
+        if {"mechanism": "gaussian", **s["policy"]} != dataclasses.asdict(policy):
             raise SnapshotError("the snapshot was taken under another policy")
         if s["aggregator_key"] != identity.public_key:
             raise SnapshotError("the snapshot was taken by another aggregator identity")

@@ -12,13 +12,15 @@ A :class:`DeviceSession` is what ``edge_sdk.device`` (the MQTT adapter) drives::
 
 One round (DESIGN, "One round, as data flows"), for a device in the plan's cohort:
 
-1. plan: refuse a round the ledger already holds a reservation for (the device took part
-   before a restart: it must neither train nor upload again), a plan for another model
-   version, or one the budget cannot pay for (``Ledger.would_exceed``): each gets a
-   :class:`~edge_sdk.wire.Decline`. Otherwise the mechanism's device half
-   (``edge_sdk.mechanisms.gaussian``) trains (``edge_sdk.train.local_round`` with the
-   round's rand-k set), quantizes (QSGD, optional), clamps to the plan's value bound and
-   encodes in fixed point mod 2^bits; then advertise secure-aggregation keys.
+1. plan (:func:`edge_sdk.round.open_round`): refuse a round the ledger already holds a
+   reservation for (the device took part before a restart: it must neither train nor
+   upload again), a plan for another model version, one whose mechanism this device does
+   not have, or one the budget cannot pay for (``Ledger.would_exceed``): each gets a
+   :class:`~edge_sdk.wire.Decline`. Otherwise the device half of the plan's mechanism
+   (``edge_sdk.mechanisms.MECHANISMS``) trains and encodes its input to the sum
+   (``gaussian``: ``edge_sdk.train.local_round`` with the round's rand-k set, QSGD
+   (optional), a clamp to the plan's value bound, fixed point mod 2^bits); then advertise
+   secure-aggregation keys.
    The spend is **reserved in the ledger** (durable) after the budget check and before
    training: every later outcome may depend on the noisy update.
 2. neighbour keys -> share keys; forwarded shares -> mask the input and return the upload
@@ -83,15 +85,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edge_sdk import compress, wire
+from edge_sdk import wire
 from edge_sdk.csprng import RoundRng
 from edge_sdk.engine import Engine
 from edge_sdk.errors import RemoteProtocolError
-from edge_sdk.ledger import BudgetExhausted, Ledger, LedgerError, Plan, Reservation
-from edge_sdk.mechanisms.gaussian import Gaussian, GaussianRound
+from edge_sdk.ledger import Ledger, LedgerError, Plan, Reservation
 from edge_sdk.model import ModelSpec
+from edge_sdk.round import Declined as NotOpened
+from edge_sdk.round import open_round
 from edge_sdk.secagg import DeviceIdentity, Registry, RoundConfig, SecAggClient
-from edge_sdk.train import TrainingDiverged
 from edge_sdk.wire import (
     CheckIn,
     Decline,
@@ -174,8 +176,9 @@ class RoundOpened:
 class Declined:
     """The device declined round ``round_id``'s plan; ``reason`` and ``detail`` are the
     published :class:`~edge_sdk.wire.Decline`'s (``ledger``, ``already_committed``,
-    ``stale_model``, ``no_data``, ``budget``, ``diverged``). Only ``diverged`` comes after
-    training (its spend is reserved and committed); every other reason leaves before."""
+    ``stale_model``, ``mechanism``, ``no_data``, ``budget``, ``diverged``). Only
+    ``diverged`` comes after training (its spend is reserved and committed); every other
+    reason leaves before."""
 
     round_id: int
     reason: str
@@ -424,9 +427,6 @@ class DeviceSession:
 
     # ------------------------------------------------------------------ plan
 
-    def _ledger_round(self, round_id: int) -> str:
-        return f"{self.fleet}/{round_id}"
-
     def _decline(self, plan: RoundPlan, reason: str, detail: str) -> list[Publish]:
         logger.info("%s declines round %d: %s (%s)", self.device, plan.round_id, reason,
                     detail, extra={"fedge": {"event": "decline", "device": self.device,
@@ -452,62 +452,14 @@ class DeviceSession:
                 raise RemoteProtocolError(f"plan for round {plan.round_id} while in round "
                                           f"{r.plan.round_id}")
             self._end_round(_SUPERSEDED)
-        key = self._ledger_round(plan.round_id)
-        try:
-            taken = any(res.plan.round_id == key for res in self._ledger.reservations())
-        except LedgerError as e:  # a broken ledger: never train
-            return self._decline(plan, "ledger", str(e))
-        if self._ledger.read_only is not None:  # it could never record the spend: no training
-            return self._decline(plan, "ledger", self._ledger.read_only)
-        if taken:
-            # a reservation means the upload may have left before a restart: never twice
-            return self._decline(plan, "already_committed",
-                                 f"the ledger holds a reservation for {key}")
-        if self._params is None or plan.model_version != self._version:
-            return self._decline(plan, "stale_model", f"holds model {self._version}, the "
-                                                      f"plan trains {plan.model_version}")
         d = sum(math.prod(s) for s in self._shapes)
-        p = plan.params  # the gaussian mechanism's (the only one the wire knows yet)
-        try:
-            mechanism = Gaussian().device(GaussianRound.from_plan(plan, dim=d))
-            config = RoundConfig.of_plan(plan)
-        except ValueError as e:
-            raise RemoteProtocolError(f"round {plan.round_id}'s plan: {e}") from None
-        x, y = self._data()
-        if len(y) == 0:
-            return self._decline(plan, "no_data", "the local data set is empty")
-        # r'' = min_survivors - max_colluders, the larger of the plan's (the aggregator's
-        # word) and this device's own assumption, never below 1 (the mechanism states
-        # what the sum of that many honest members' uploads is charged).
-        honest = max(1, plan.min_survivors - max(plan.max_colluders, self._max_colluders))
-        event, aggregate = mechanism.events(m=len(y), honest=honest)
-        ledger_plan = Plan(round_id=key, model_id=str(plan.model_version), event=event,
-                           aggregate_event=aggregate, cohort_size=plan.min_survivors,
-                           secagg_threshold=plan.threshold)
-        try:
-            if self._ledger.would_exceed(ledger_plan):
-                return self._decline(plan, "budget", f"epsilon would reach "
-                                     f"{self._ledger.epsilon_if(ledger_plan):.4g} > "
-                                     f"{self._ledger.budget.epsilon:g}")
-        except (LedgerError, ValueError) as e:
-            return self._decline(plan, "ledger", str(e))
-        # Reserved before training: from here on every outcome (upload, "diverged" decline,
-        # silence) may depend on the noisy update, and each of them is then already counted.
-        try:
-            reservation = self._ledger.reserve(ledger_plan)
-        except (BudgetExhausted, LedgerError) as e:
-            # a full disk or read-only file system is not a spent budget: say which
-            return self._decline(plan, "budget" if isinstance(e, BudgetExhausted) else "ledger",
-                                 str(e))
-        rng = self._round_rng(plan.round_id)
-        coords = (None if p.sparsity == 1.0
-                  else compress.coordinate_set(plan.round_seed, d, plan.length))
-        try:
-            residues = mechanism.contribute(params=self._params, data=(x, y),
-                                            engine=self._engine, coords=coords,
-                                            honest=honest, rng=rng).values
-        except TrainingDiverged:
-            return self._diverged(plan, reservation)
+        got = open_round(plan, fleet=self.fleet, ledger=self._ledger, params=self._params,
+                         model_version=self._version, data=self._data, engine=self._engine,
+                         dim=d, round_rng=self._round_rng, max_colluders=self._max_colluders)
+        if isinstance(got, NotOpened):
+            return self._decline(plan, got.reason, got.detail)
+        residues, config, ledger_plan = got.contribution.values, got.config, got.ledger_plan
+        reservation = got.reservation
         client = SecAggClient(identity=self._idn, registry=self._reg, config=config,
                               random_bytes=self._random)
         out = self._send_secagg(client.advertise())
@@ -518,16 +470,6 @@ class DeviceSession:
         self._events.append(RoundOpened(round_id=plan.round_id, model_version=plan.model_version,
                                         length=plan.length, cohort_size=len(plan.cohort)))
         return list(out)
-
-    def _diverged(self, plan: RoundPlan, reservation: Reservation) -> list[Publish]:
-        """Decline a round whose noisy update is not finite. The decline reveals a bit of
-        that update; the round was reserved before training, so it is counted. The detail
-        names no value computed from the data."""
-        try:
-            self._ledger.commit(reservation)
-        except LedgerError as e:  # the spend is counted either way; only the record suffers
-            logger.error("%s: cannot commit round %d: %s", self.device, plan.round_id, e)
-        return self._decline(plan, "diverged", "local training produced a non-finite update")
 
     # ------------------------------------------------------------------ secagg
 

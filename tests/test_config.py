@@ -103,3 +103,14 @@ def test_aggregator_toml_model_name_needs_the_injected_zoo_dir(enrolled) -> None
         assert [p.shape for p in service.machine.params] == [s for _, s in spec.param_shapes()]
     finally:
         service.close(timeout=0.5)
+
+
+def test_aggregator_toml_refuses_a_mechanism_it_does_not_have(enrolled) -> None:
+    path = enrolled.aggregator_config
+    text = path.read_text()
+    assert "[policy]" in text
+    path.write_text(text.replace("[policy]", '[policy]\nmechanism = "no-such"', 1))
+    with pytest.raises(ConfigError, match=r"mechanism must be one of \['gaussian'\].*'no-such'"):
+        AggregatorConfig.from_toml(path)
+    path.write_text(text.replace("[policy]", '[policy]\nmechanism = "gaussian"', 1))
+    assert AggregatorConfig.from_toml(path).policy.mechanism == "gaussian"

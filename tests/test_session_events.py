@@ -167,6 +167,19 @@ def test_each_decline_is_one_event_with_the_published_reason(fleet, reason: str)
     assert bool(reserved) == (reason in ("diverged", "already_committed"))
 
 
+def test_a_mechanism_the_device_lacks_is_declined_before_anything(fleet, monkeypatch) -> None:
+    """A device built without the plan's mechanism (an older build) declines with reason
+    ``mechanism``: one event, nothing reserved, never trained."""
+    import edge_sdk.round
+
+    monkeypatch.setattr(edge_sdk.round, "MECHANISMS", {})
+    s = _fresh(fleet)
+    msg = _decline_of(s.on_message(PLAN_TOPIC, wire.encode(_plan(fleet)), 0.0))
+    assert msg.reason == "mechanism" and "'gaussian'" in msg.detail
+    assert s.take_events() == [Declined(round_id=1, reason="mechanism", detail=msg.detail)]
+    assert s.round_id is None and fleet.ledgers[ME].reservations() == ()
+
+
 def test_budget_decline(tmp_path, digits, engine) -> None:
     fleet = Fleet(tmp_path, digits, engine, rounds=0, epsilon=0.5)
     try:

@@ -1,0 +1,248 @@
+"""A device's part of one round up to its upload, pure of messages: plan in, decision out.
+
+:func:`open_round` is what ``edge_sdk.session.DeviceSession`` does with a verified plan that
+selects it, and what a simulator does for each cohort member (plan15 §3.3). In order:
+
+1. refuse a round the ledger already holds a reservation for (the device took part before
+   a restart: never train or upload twice), a ledger that cannot record a spend, a plan for
+   another model version, a mechanism this device does not have, an empty local data set,
+   or a round the budget cannot pay for: each is a :class:`Declined` with the reason the
+   published ``wire.Decline`` carries (``already_committed``, ``ledger``, ``stale_model``,
+   ``mechanism``, ``no_data``, ``budget``);
+2. **reserve the round's spend in the ledger** (durable when it returns) *before*
+   training: every later outcome (the upload, the ``diverged`` decline, silence) may
+   depend on the noisy update, and each is then already counted;
+3. only then ask for the round's rng and let the mechanism's device half train and encode
+   (:meth:`edge_sdk.mechanisms.base.DeviceHalf.contribute`): a :class:`Prepared`, or, when
+   the noisy update is not finite, the reservation committed and ``Declined("diverged")``.
+
+The mechanism is the plan's ``mechanism``, looked up in
+:data:`edge_sdk.mechanisms.MECHANISMS` (:func:`mechanism_round`); the aggregator decodes
+the sum with the server half of the same lookup, so both ends read one plan the same way.
+
+Randomness: the rng comes from ``round_rng(plan.round_id)``, called once, after the
+reservation; the mechanism draws from it in its own fixed order (plan15 R8).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from edge_sdk import compress
+from edge_sdk.csprng import RoundRng
+from edge_sdk.errors import RemoteProtocolError
+from edge_sdk.ledger import BudgetExhausted, LedgerError, Plan, Reservation
+from edge_sdk.mechanisms import MECHANISMS, Contribution, GaussianRound, Mechanism
+from edge_sdk.secagg import RoundConfig
+from edge_sdk.train import TrainingDiverged
+from edge_sdk.wire import RoundPlan
+
+__all__ = [
+    "Declined",
+    "LedgerLike",
+    "Prepared",
+    "coordinates",
+    "has_mechanism",
+    "honest_members",
+    "ledger_round",
+    "mechanism_round",
+    "open_round",
+]
+
+logger = logging.getLogger("edge_sdk.round")
+
+# How each mechanism reads its round settings from a plan (name -> (plan, dim) -> settings),
+# the argument of its class's device() and server(). A mechanism is usable only when it is
+# both registered (MECHANISMS) and readable here; tests/test_round.py checks they agree.
+_READERS: Mapping[str, Callable[..., Any]] = {"gaussian": GaussianRound.from_plan}
+
+
+class LedgerLike(Protocol):
+    """What :func:`open_round` needs of a ledger: a durable ``edge_sdk.ledger.Ledger`` on a
+    device, a ``Book`` in a simulator (which has no ``read_only``: it never refuses writes)."""
+
+    budget: Any
+
+    def reservations(self) -> tuple[Reservation, ...]: ...
+
+    def would_exceed(self, plan: Plan) -> bool: ...
+
+    def epsilon_if(self, plan: Plan) -> float: ...
+
+    def reserve(self, plan: Plan) -> Reservation: ...
+
+    def commit(self, reservation: Reservation) -> None: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Declined:
+    """The device does not take part: ``reason`` and ``detail`` as its ``wire.Decline``
+    carries them. ``reservation``: set only for ``diverged``, the one reason given after
+    training (the spend was reserved, and committed, before)."""
+
+    reason: str
+    detail: str
+    reservation: Reservation | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Prepared:
+    """The device is in the round: its spend is reserved (durably, before training) and
+    ``contribution.values`` are its input to the secure sum.
+
+    Attributes:
+        contribution: what the mechanism's device half produced.
+        config: the round's secure-aggregation configuration (``RoundConfig.of_plan``).
+        ledger_plan: the spend reserved; reservation: its ledger record (commit it once
+            the aggregator shows it holds the upload).
+        honest: r'', the honest cohort members the aggregate event counts.
+    """
+
+    contribution: Contribution
+    config: RoundConfig
+    ledger_plan: Plan
+    reservation: Reservation
+    honest: int
+
+
+def has_mechanism(name: str) -> bool:
+    """Whether this build can run mechanism ``name`` (registered and readable from a plan)."""
+    return name in MECHANISMS and name in _READERS
+
+
+def mechanism_round(plan: RoundPlan, *, dim: int) -> tuple[Mechanism, Any]:
+    """(The plan's mechanism, the round settings its ``device()``/``server()`` take) for a
+    model of ``dim`` parameters.
+
+    Raises:
+        ValueError: the plan names a mechanism this build does not have
+            (:func:`has_mechanism`), or its settings cannot go together (the mechanism
+            says which).
+    """
+    if not has_mechanism(plan.mechanism):
+        raise ValueError(f"mechanism {plan.mechanism!r} is not one of "
+                       f"{sorted(n for n in MECHANISMS if n in _READERS)}")
+    settings = _READERS[plan.mechanism](plan, dim=dim)
+    return MECHANISMS[plan.mechanism](), settings
+
+
+def coordinates(plan: RoundPlan, *, dim: int) -> np.ndarray | None:
+    """The round's rand-k coordinate set (``compress.coordinate_set`` from the plan's
+    public ``round_seed``), or None for a dense round: one whose mechanism's params have
+    no ``sparsity`` or a sparsity of 1."""
+    if getattr(plan.params, "sparsity", 1.0) == 1.0:
+        return None
+    return compress.coordinate_set(plan.round_seed, dim, plan.length)
+
+
+def honest_members(plan: RoundPlan, *, max_colluders: int) -> int:
+    """r'' = min_survivors - max(the plan's max_colluders (the aggregator's word), the
+    device's own ``max_colluders``), never below 1: the honest members whose noise the
+    aggregate event may count."""
+    return max(1, plan.min_survivors - max(plan.max_colluders, max_colluders))
+
+
+def ledger_round(fleet: str, round_id: int) -> str:
+    """The ledger's name for round ``round_id`` of ``fleet``."""
+    return f"{fleet}/{round_id}"
+
+
+def open_round(
+    plan: RoundPlan,
+    *,
+    fleet: str,
+    ledger: LedgerLike,
+    params: list[np.ndarray] | None,
+    model_version: int,
+    data: Callable[[], tuple[np.ndarray, np.ndarray]],
+    engine: Any,
+    dim: int,
+    round_rng: RoundRng,
+    max_colluders: int,
+) -> Declined | Prepared:
+    """Decide whether to take part in ``plan``'s round and, if so, reserve and contribute
+    (order and reasons: see the module docstring).
+
+    Args:
+        plan: a verified plan whose cohort holds this device.
+        fleet: the fleet (names the ledger's round, :func:`ledger_round`).
+        ledger: the device's ledger (or a simulator's ``Book``).
+        params, model_version: the global model the device holds (None, -1: none yet).
+        data: returns the local training set (x, y); called once, after the cheap checks.
+        engine: per-sample gradients of the model.
+        dim: the model's parameter count.
+        round_rng: round id -> the round's rng; called once, after the reservation.
+        max_colluders: the device's own colluder assumption (:func:`honest_members`).
+
+    Raises:
+        RemoteProtocolError: the plan's mechanism or secure-aggregation settings cannot go
+            together (a bad plan: nothing reserved, no decline; the caller rejects it).
+    """
+    key = ledger_round(fleet, plan.round_id)
+    try:
+        taken = any(res.plan.round_id == key for res in ledger.reservations())
+    except LedgerError as e:  # a broken ledger: never train
+        return Declined(reason="ledger", detail=str(e))
+    read_only = getattr(ledger, "read_only", None)
+    if read_only is not None:  # it could never record the spend: no training
+        return Declined(reason="ledger", detail=read_only)
+    if taken:
+        # a reservation means the upload may have left before a restart: never twice
+        return Declined(reason="already_committed",
+                        detail=f"the ledger holds a reservation for {key}")
+    if params is None or plan.model_version != model_version:
+        return Declined(reason="stale_model", detail=f"holds model {model_version}, the "
+                                                     f"plan trains {plan.model_version}")
+    if not has_mechanism(plan.mechanism):
+        return Declined(reason="mechanism", detail=f"this device has no mechanism "
+                                                   f"{plan.mechanism!r}")
+    try:
+        mechanism, settings = mechanism_round(plan, dim=dim)
+        config = RoundConfig.of_plan(plan)
+    except ValueError as e:
+        raise RemoteProtocolError(f"round {plan.round_id}'s plan: {e}") from None
+    device = mechanism.device(settings)
+    x, y = data()
+    if len(y) == 0:
+        return Declined(reason="no_data", detail="the local data set is empty")
+    honest = honest_members(plan, max_colluders=max_colluders)
+    event, aggregate = device.events(m=len(y), honest=honest)
+    ledger_plan = Plan(round_id=key, model_id=str(plan.model_version), event=event,
+                       aggregate_event=aggregate, cohort_size=plan.min_survivors,
+                       secagg_threshold=plan.threshold)
+    try:
+        if ledger.would_exceed(ledger_plan):
+            return Declined(reason="budget", detail=f"epsilon would reach "
+                            f"{ledger.epsilon_if(ledger_plan):.4g} > "
+                            f"{ledger.budget.epsilon:g}")
+    except (LedgerError, ValueError) as e:
+        return Declined(reason="ledger", detail=str(e))
+    # Reserved before training: from here on every outcome (upload, "diverged" decline,
+    # silence) may depend on the noisy update, and each of them is then already counted.
+    try:
+        reservation = ledger.reserve(ledger_plan)
+    except (BudgetExhausted, LedgerError) as e:
+        # a full disk or read-only file system is not a spent budget: say which
+        return Declined(reason="budget" if isinstance(e, BudgetExhausted) else "ledger",
+                        detail=str(e))
+    rng = round_rng(plan.round_id)
+    try:
+        contribution = device.contribute(params=params, data=(x, y), engine=engine,
+                                         coords=coordinates(plan, dim=dim), honest=honest,
+                                         rng=rng)
+    except TrainingDiverged:
+        # The decline reveals a bit of the noisy update; the round was reserved before
+        # training, so it is counted. The detail names no value computed from the data.
+        try:
+            ledger.commit(reservation)
+        except LedgerError as e:  # the spend is counted either way; only the record suffers
+            logger.error("cannot commit round %s: %s", key, e)
+        return Declined(reason="diverged", detail="local training produced a non-finite "
+                                                  "update", reservation=reservation)
+    return Prepared(contribution=contribution, config=config, ledger_plan=ledger_plan,
+                    reservation=reservation, honest=honest)

@@ -1,0 +1,217 @@
+"""aggregator.round_core (plan15 G2): the aggregator's round without messages.
+
+Pure parts on their own (the cohort draw, the plan and its only two draws from the round
+source, the policy's mechanism), then the proof that the round core is the round machine's:
+over the uploads of a real fleet (20 DeviceSessions and the RoundMachine on the in-memory
+broker, with dropouts at every stage), ``PlainSum`` (the survivors decided from the same
+vanish stages) plus ``round_core.finish`` gives the machine's survivors, sums and new
+model, bit for bit, round after round (a stateful server optimizer carries over)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+from test_session_rounds import Fleet, _down_kind
+
+from aggregator.fedavg import select_cohort
+from aggregator.optimizers import OPTIMIZERS
+from aggregator.plain_sum import PlainSum
+from aggregator.round_core import (
+    RoundPolicy,
+    draw_cohort,
+    draw_plan,
+    finish,
+    mechanism_params,
+    mechanisms,
+    round_secrets,
+    server_half,
+)
+from aggregator.rounds import RoundMachine
+from aggregator.rounds import RoundPolicy as ReExported
+from edge_sdk import compress, secagg, wire
+from edge_sdk.mechanisms import MECHANISMS
+
+NAMES = [f"d{i:02d}" for i in range(20)]
+
+
+def _policy(**kw: Any) -> RoundPolicy:
+    return RoundPolicy(**{"fleet": "lab", "cohort_size": 7, "seed": 11, **kw})
+
+
+class _Source:
+    """A seeded byte source that records each draw's size."""
+
+    def __init__(self) -> None:
+        self.draws: list[int] = []
+
+    def __call__(self, n: int) -> bytes:
+        self.draws.append(n)
+        return hashlib.sha256(str(len(self.draws)).encode()).digest()[:n]
+
+
+def test_the_policy_names_its_mechanism_and_refuses_one_it_does_not_have() -> None:
+    assert ReExported is RoundPolicy
+    assert _policy().mechanism == "gaussian"
+    assert mechanisms() == ("gaussian",) and set(mechanisms()) <= set(MECHANISMS)
+    with pytest.raises(ValueError, match=r"mechanism must be one of \['gaussian'\].*'ddg-x'"):
+        _policy(mechanism="ddg-x")
+
+
+def test_draw_cohort_is_select_cohort_of_the_policy() -> None:
+    pol = _policy()
+    for r in (1, 2, 9):
+        assert draw_cohort(NAMES, policy=pol, round_id=r) == select_cohort(
+            NAMES, 7, seed=11, round_id=r)
+    assert draw_cohort(NAMES[:4], policy=pol, round_id=1) == tuple(NAMES[:4])  # fewer
+
+
+def test_draw_plan_states_the_policy_and_draws_seed_then_nonce() -> None:
+    pol = _policy(sparsity=0.25, bits=40, quant_levels=3, max_colluders=2, stage_timeout=7.0,
+                  degree=4, threshold=3, min_survivors=4)
+    d = 1000
+    cohort = draw_cohort(NAMES, policy=pol, round_id=4)
+    src = _Source()
+    plan = draw_plan(pol, round_id=4, model_version=2, cohort=cohort, dim=d, random_bytes=src)
+    assert src.draws == [32, 32]  # the round's only draws: round_seed, then nonce
+    again = _Source()
+    assert (plan.round_seed, plan.nonce) == round_secrets(again) and again.draws == [32, 32]
+    k = compress.kept_count(d, 0.25)
+    params, length = mechanism_params(pol, dim=d)
+    assert length == plan.length == k
+    assert plan.params == params == wire.GaussianParams(
+        steps=pol.steps, batch_size=pol.batch_size, lr=pol.lr, sampling=pol.sampling,
+        clip=pol.clip, noise_multiplier=pol.noise_multiplier, sparsity=0.25, quant_levels=3,
+        scale=pol.fixed_point_scale(), value_bound=pol.value_bound)
+    assert (plan.round_id, plan.model_version, plan.cohort, plan.mechanism) == (
+        4, 2, cohort, "gaussian")
+    assert (plan.bits, plan.degree, plan.threshold, plan.min_survivors, plan.max_colluders,
+            plan.stage_timeout) == (40, 4, 3, 4, 2, 7.0)
+    # what a device reads from it: the secagg config and the mechanism's settings
+    secagg.RoundConfig.of_plan(wire.sign(plan, secagg.AggregatorIdentity.generate()))
+    assert server_half(plan, dim=d).params.length == k
+    dense = draw_plan(_policy(), round_id=1, model_version=0, cohort=cohort, dim=d,
+                      random_bytes=_Source())
+    assert dense.length == d and dense.params.sparsity == 1.0
+
+
+def test_finish_decodes_then_applies_the_optimizer() -> None:
+    pol = _policy(sparsity=0.5, server_opt="fedavgm")
+    shapes = [(3, 4), (4,)]
+    model = [np.arange(12, dtype=np.float32).reshape(3, 4), np.ones(4, np.float32)]
+    d = 16
+    plan = draw_plan(pol, round_id=1, model_version=0, cohort=tuple(NAMES[:7]), dim=d,
+                     random_bytes=_Source())
+    server = server_half(plan, dim=d)
+    fp = server.params.fixed_point
+    rng = np.random.default_rng(0)
+    ups = [rng.uniform(-1, 1, plan.length) for _ in range(3)]
+    total = sum(fp.encode(u, rng).astype(np.uint64) for u in ups) & np.uint64(2**32 - 1)
+    opt = OPTIMIZERS["fedavgm"](server_lr=1.0)
+    state = opt.init(model)
+    done = finish(plan, total, 3, params=model, server=server, optimizer=opt, opt_state=state)
+    coords = compress.coordinate_set(plan.round_seed, d, plan.length)
+    want_delta, _ = server.decode(total, 3, server.init(model), coords=coords)
+    want, want_state = opt.update(want_delta, state, model)
+    assert [p.shape for p in done.params] == shapes and all(
+        p.dtype == np.float32 for p in done.params)
+    for a, b in zip(done.params, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(done.delta, want_delta, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(done.opt_state, want_state, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # off the coordinate set the delta is zero; on it, close to the mean upload
+    flat = np.concatenate([x.ravel() for x in done.delta])
+    assert not flat[np.setdiff1d(np.arange(d), coords)].any()
+    np.testing.assert_allclose(flat[coords], np.mean(ups, axis=0), atol=1e-3)
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="survivors must be an integer >= 1"):
+            finish(plan, total, bad, params=model, server=server, optimizer=opt,
+                   opt_state=state)
+
+
+# the downlink at which a device vanishes -> PlainSum's vanish stage
+AS_PLAIN = {"plan": "keys", "neighbour_keys": "shares", "forwarded_shares": "masked",
+            "unmask_request": "unmask"}
+
+
+def test_plain_sum_and_finish_give_the_round_machines_model(tmp_path, digits, engine) -> None:
+    rounds = 4
+    fleet = Fleet(tmp_path, digits, engine, rounds=rounds,
+                  policy={"server_opt": "fedavgm", "sparsity": 0.5})
+    rng = np.random.default_rng(5)
+    plans: dict[int, wire.RoundPlan] = {}
+    vanished: dict[int, dict[str, str]] = {}
+    gone: dict[str, str] = {}
+
+    def drop(name: str, topic: str, payload: bytes) -> bool:
+        kind = _down_kind(topic, payload)
+        if kind == "plan":
+            plan = wire.decode(payload, wire.DOWN_KINDS)
+            if plan.round_id not in plans:  # this round's victims, at every stage
+                plans[plan.round_id] = plan
+                gone.clear()
+                for dev, stage in zip(rng.choice(plan.cohort, 3, replace=False),
+                                      rng.permutation(list(AS_PLAIN))[:3], strict=True):
+                    gone[str(dev)] = str(stage)
+                vanished[plan.round_id] = {d: AS_PLAIN[s] for d, s in gone.items()}
+        if name in gone and kind == gone[name]:
+            fleet.broker.detach(name)
+            return True
+        return False
+
+    fleet.broker.drop = drop
+    for r in range(1, rounds + 1):
+        fleet.settle(until=lambda r=r: len(fleet.machine.history) >= r
+                     and fleet.machine.stage == "idle")
+        for dev in list(gone):
+            if dev not in fleet.broker.endpoints:
+                fleet.broker.attach(dev, fleet.sessions[dev], fleet.now)
+        fleet.broker.run(fleet.now)
+    hist = fleet.machine.history
+    assert [o.round_id for o in hist] == list(range(1, rounds + 1))
+    assert sum(o.completed for o in hist) >= 2, [o.detail for o in hist]
+
+    opt = OPTIMIZERS["fedavgm"](server_lr=1.0)
+    params = [p.copy() for p in fleet.initial]
+    state = opt.init(params)
+    d = sum(p.size for p in params)
+    for o in hist:
+        plan = plans[o.round_id]
+        ps = PlainSum.for_config(secagg.RoundConfig.of_plan(plan),
+                                 vanished=vanished[o.round_id])
+        if not o.completed:
+            assert ps.failed is not None or len(ps.survivors) < plan.min_survivors, o
+            continue
+        assert ps.failed is None and ps.survivors == o.survivors
+        for dev in ps.survivors:
+            ps.add(dev, fleet.sessions[dev].encoded_input(o.round_id))
+        total = ps.total()
+        np.testing.assert_array_equal(total, o.total)
+        done = finish(plan, total, len(ps.survivors), params=params,
+                      server=server_half(plan, dim=d), optimizer=opt, opt_state=state)
+        params, state = done.params, done.opt_state
+    for a, b in zip(params, fleet.machine.params, strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b)  # bit for bit
+    assert any(not np.array_equal(a, b) for a, b in zip(params, fleet.initial, strict=True))
+    fleet.close()
+
+
+def test_policy_snapshot_from_before_the_mechanism_field_restores(tmp_path, digits,
+                                                                    engine) -> None:
+    """A checkpoint whose policy predates ``mechanism`` ran gaussian, the only one there was:
+    it restores under a gaussian policy."""
+    fleet = Fleet(tmp_path, digits, engine, rounds=0)
+    snap = msgpack.unpackb(fleet.machine.snapshot(), raw=False)
+    del snap["policy"]["mechanism"]
+    old = msgpack.packb(snap, use_bin_type=True)
+    m = RoundMachine.restore(old, policy=fleet.policy, identity=fleet.agg_id,
+                             registry=fleet.registry)
+    assert m.model_version == 0
+    assert dataclasses.asdict(m.policy)["mechanism"] == "gaussian"
+    fleet.close()
