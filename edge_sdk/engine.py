@@ -18,6 +18,7 @@ return the full [B, d] per-sample gradients. Both engines clip with the factor
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,20 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from edge_sdk.model import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, Relu
+from edge_sdk.model import (
+    ACTIVATIONS,
+    Conv2d,
+    Flatten,
+    Gelu,
+    Hardswish,
+    LeakyRelu,
+    Linear,
+    MaxPool2d,
+    ModelSpec,
+    Relu,
+    Sigmoid,
+    Tanh,
+)
 
 __all__ = [
     "Engine",
@@ -212,6 +226,44 @@ class OnnxEngine:
         return self._infer().run(None, feeds)[0]
 
 
+def _erf(x: np.ndarray) -> np.ndarray:
+    """Element-wise erf, computed by ``math.erf`` in float64 (numpy has none, and scipy is
+    not a device dependency); float32 out."""
+    return _ERF(x.astype(np.float64)).astype(np.float32)
+
+
+_ERF = np.frompyfunc(math.erf, 1, 1)
+
+
+def activation(layer: Any, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(f(h), f'(h)) of an element-wise activation other than Relu, the formulas of
+    ``models.persample.activation`` (torch's, including its choices at the kinks)."""
+    if isinstance(layer, Tanh):
+        t = np.tanh(h)
+        return t, 1.0 - t * t
+    if isinstance(layer, Sigmoid):
+        s = 0.5 * (1.0 + np.tanh(0.5 * h))  # overflow-free logistic
+        return s, s * (1.0 - s)
+    if isinstance(layer, Gelu):
+        if layer.approximate == "tanh":
+            k = np.float32(math.sqrt(2.0 / math.pi))
+            c = np.float32(0.044715)
+            t = np.tanh(k * (h + c * h * h * h))
+            deriv = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * k * (1.0 + 3 * c * h * h)
+            return 0.5 * h * (1.0 + t), deriv
+        cdf = 0.5 * (1.0 + _erf(h * np.float32(1.0 / math.sqrt(2.0))))
+        pdf = np.exp(-0.5 * h * h) * np.float32(1.0 / math.sqrt(2.0 * math.pi))
+        return h * cdf, cdf + h * pdf
+    if isinstance(layer, LeakyRelu):
+        pos = h > 0
+        slope = np.float32(layer.negative_slope)
+        return np.where(pos, h, h * slope), np.where(pos, np.float32(1.0), slope)
+    if isinstance(layer, Hardswish):
+        deriv = np.where(h <= -3.0, 0.0, np.where(h < 3.0, h / 3.0 + 0.5, 1.0))
+        return h * np.clip(h + 3.0, 0.0, 6.0) / 6.0, deriv.astype(np.float32)
+    raise TypeError(f"not an activation: {layer!r}")
+
+
 def _im2col(x: np.ndarray, k: int) -> np.ndarray:
     b, c, h, w = x.shape
     win = np.lib.stride_tricks.sliding_window_view(x, (k, k), axis=(2, 3))  # B,C,Ho,Wo,k,k
@@ -265,6 +317,10 @@ class NumpyEngine:
             elif isinstance(layer, Relu):
                 cache.append(h > 0)
                 h = np.maximum(h, 0)
+            elif isinstance(layer, ACTIVATIONS):
+                h, deriv = activation(layer, h)
+                h = h.astype(np.float32, copy=False)
+                cache.append(deriv.astype(np.float32, copy=False))
             elif isinstance(layer, Flatten):
                 cache.append(h.shape)
                 h = h.reshape(h.shape[0], -1)
@@ -313,7 +369,7 @@ class NumpyEngine:
                 d = self._col2im(dcols, in_shape, layer.kernel)
             elif isinstance(layer, MaxPool2d):
                 d = _unpool(d, c)
-            elif isinstance(layer, Relu):
+            elif isinstance(layer, ACTIVATIONS):
                 d = d * c
             elif isinstance(layer, Flatten):
                 d = d.reshape(c)

@@ -20,10 +20,15 @@ from edge_sdk.errors import EdgeError
 __all__ = [
     "Conv2d",
     "Flatten",
+    "Gelu",
+    "Hardswish",
+    "LeakyRelu",
     "Linear",
     "MaxPool2d",
     "ModelSpec",
     "Relu",
+    "Sigmoid",
+    "Tanh",
     "UnsupportedLayer",
     "ZOO",
     "build_spec",
@@ -38,7 +43,7 @@ __all__ = [
 
 
 class UnsupportedLayer(EdgeError, ValueError):
-    """A layer outside the supported set (Linear, Conv2d, MaxPool2d, Relu, Flatten)."""
+    """A layer outside the supported set (see ``_LAYER_TYPES``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,13 +85,69 @@ class Flatten:
     kind: str = field(default="flatten", init=False)
 
 
-Layer = Linear | Conv2d | MaxPool2d | Relu | Flatten
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tanh:
+    kind: str = field(default="tanh", init=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sigmoid:
+    kind: str = field(default="sigmoid", init=False)
+
+
+GELU_APPROXIMATIONS = ("none", "tanh")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Gelu:
+    """x * Phi(x). ``approximate="none"`` (torch's default) is the exact erf form;
+    ``"tanh"`` is torch's tanh approximation. The gradient follows the chosen form."""
+
+    approximate: str = "none"
+    kind: str = field(default="gelu", init=False)
+
+    def __post_init__(self) -> None:
+        if self.approximate not in GELU_APPROXIMATIONS:
+            raise UnsupportedLayer(
+                f"Gelu approximate must be one of {GELU_APPROXIMATIONS}, got {self.approximate!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeakyRelu:
+    """x for x > 0, else negative_slope * x (gradient negative_slope at 0, as torch)."""
+
+    negative_slope: float = 0.01
+    kind: str = field(default="leakyrelu", init=False)
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.negative_slope):
+            raise ValueError(
+                f"LeakyRelu negative_slope must be finite, got {self.negative_slope!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hardswish:
+    """x * relu6(x + 3) / 6; gradient 0 for x <= -3, x/3 + 1/2 inside, 1 for x >= 3 (torch)."""
+
+    kind: str = field(default="hardswish", init=False)
+
+
+Layer = Linear | Conv2d | MaxPool2d | Relu | Flatten | Tanh | Sigmoid | Gelu | LeakyRelu | Hardswish
+# Element-wise activations: no parameters, shape kept, gradient = upstream * f'(pre-activation).
+ACTIVATIONS = (Relu, Tanh, Sigmoid, Gelu, LeakyRelu, Hardswish)
 _LAYER_TYPES: dict[str, type] = {
     "linear": Linear,
     "conv2d": Conv2d,
     "maxpool2d": MaxPool2d,
     "relu": Relu,
     "flatten": Flatten,
+    "tanh": Tanh,
+    "sigmoid": Sigmoid,
+    "gelu": Gelu,
+    "leakyrelu": LeakyRelu,
+    "hardswish": Hardswish,
 }
 
 
@@ -176,7 +237,7 @@ def _out_shape(layer: Layer, shape: tuple[int, ...], index: int) -> tuple[int, .
         if len(shape) != 3 or shape[1] % 2 or shape[2] % 2:
             raise ValueError(f"{where} expects (C, H, W) with even H, W, got {shape}")
         return (shape[0], shape[1] // 2, shape[2] // 2)
-    if isinstance(layer, Relu):
+    if isinstance(layer, ACTIVATIONS):
         return shape
     if isinstance(layer, Flatten):
         return (math.prod(shape),)

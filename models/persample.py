@@ -12,6 +12,8 @@ out layer by layer for the supported set, with the weights as graph inputs:
 * MaxPool2d 2x2: the four window elements by strided slices; the gradient goes to the
   first maximum in scan order, torch's tie rule.
 * Relu: gradient where the pre-activation is > 0 (torch's rule at 0).
+* Tanh, Sigmoid, GELU (erf or tanh form), LeakyReLU, Hardswish: the upstream gradient times
+  f'(pre-activation), f' written out as torch's autograd computes it (see ``activation``).
 
 Outputs: per-sample L2 norms [B] of the full gradient, per-sample losses [B], then the
 sum over the batch of the clipped per-sample gradients, one output per parameter.
@@ -26,13 +28,27 @@ disables clipping.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from edge_sdk.model import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, Relu
+from edge_sdk.model import (
+    ACTIVATIONS,
+    Conv2d,
+    Flatten,
+    Gelu,
+    Hardswish,
+    LeakyRelu,
+    Linear,
+    MaxPool2d,
+    ModelSpec,
+    Relu,
+    Sigmoid,
+    Tanh,
+)
 
 _TINY = float(torch.finfo(torch.float32).tiny)
 
@@ -43,6 +59,36 @@ def im2col(x: Tensor, k: int) -> Tensor:
     ho, wo = h - k + 1, w - k + 1
     patches = [x[:, :, i : i + ho, j : j + wo] for i in range(k) for j in range(k)]
     return torch.stack(patches, dim=2).reshape(-1, c * k * k, ho * wo)
+
+
+def activation(layer: Any, h: Tensor) -> tuple[Tensor, Tensor]:
+    """(f(h), f'(h)) of an element-wise activation other than Relu, torch's formulas
+    (including its choice at the kinks: LeakyReLU slope at 0, Hardswish 0 at -3, 1 at 3)."""
+    if isinstance(layer, Tanh):
+        t = torch.tanh(h)
+        return t, 1.0 - t * t
+    if isinstance(layer, Sigmoid):
+        s = torch.sigmoid(h)
+        return s, s * (1.0 - s)
+    if isinstance(layer, Gelu):
+        if layer.approximate == "tanh":
+            k = math.sqrt(2.0 / math.pi)
+            inner = k * (h + 0.044715 * h * h * h)
+            t = torch.tanh(inner)
+            deriv = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * k * (1.0 + 3 * 0.044715 * h * h)
+            return 0.5 * h * (1.0 + t), deriv
+        cdf = 0.5 * (1.0 + torch.erf(h * (1.0 / math.sqrt(2.0))))
+        pdf = torch.exp(-0.5 * h * h) * (1.0 / math.sqrt(2.0 * math.pi))
+        return h * cdf, cdf + h * pdf
+    if isinstance(layer, LeakyRelu):
+        pos = h > 0
+        slope = layer.negative_slope
+        return torch.where(pos, h, h * slope), torch.where(pos, 1.0, slope).to(h.dtype)
+    if isinstance(layer, Hardswish):
+        mid = h / 3.0 + 0.5
+        deriv = torch.where(h <= -3.0, 0.0, torch.where(h < 3.0, mid, 1.0)).to(h.dtype)
+        return h * torch.clamp(h + 3.0, 0.0, 6.0) / 6.0, deriv
+    raise TypeError(f"not an activation: {layer!r}")
 
 
 def _pool_masks(h: Tensor) -> tuple[Tensor, list[Tensor]]:
@@ -100,6 +146,9 @@ class PerSampleGrad(nn.Module):
             elif isinstance(layer, Relu):
                 cache.append({"mask": (h > 0).to(h.dtype)})
                 h = torch.relu(h)
+            elif isinstance(layer, ACTIVATIONS):
+                h, deriv = activation(layer, h)
+                cache.append({"mask": deriv})
             elif isinstance(layer, Flatten):
                 cache.append({"shape": h.shape[1:]})
                 h = h.reshape(h.shape[0], -1)
@@ -138,7 +187,7 @@ class PerSampleGrad(nn.Module):
                 d = F.conv_transpose2d(d, c["w"])
             elif isinstance(layer, MaxPool2d):
                 d = _unpool(d, c["winners"])
-            elif isinstance(layer, Relu):
+            elif isinstance(layer, ACTIVATIONS):
                 d = d * c["mask"]
             elif isinstance(layer, Flatten):
                 d = d.reshape((-1, *c["shape"]))
@@ -184,6 +233,8 @@ class Logits(nn.Module):
                 h = F.max_pool2d(h, 2)
             elif isinstance(layer, Relu):
                 h = torch.relu(h)
+            elif isinstance(layer, ACTIVATIONS):
+                h = activation(layer, h)[0]
             elif isinstance(layer, Flatten):
                 h = h.reshape(h.shape[0], -1)
         return h

@@ -12,7 +12,20 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_sdk.model import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, Relu
+from edge_sdk.model import (
+    Conv2d,
+    Flatten,
+    Gelu,
+    Hardswish,
+    LeakyRelu,
+    Linear,
+    MaxPool2d,
+    ModelSpec,
+    Relu,
+    Sigmoid,
+    Tanh,
+    UnsupportedLayer,
+)
 
 
 def build_module(spec: ModelSpec, params: Sequence[np.ndarray] | None = None) -> nn.Sequential:
@@ -29,6 +42,18 @@ def build_module(spec: ModelSpec, params: Sequence[np.ndarray] | None = None) ->
             mods.append(nn.ReLU())
         elif isinstance(layer, Flatten):
             mods.append(nn.Flatten())
+        elif isinstance(layer, Tanh):
+            mods.append(nn.Tanh())
+        elif isinstance(layer, Sigmoid):
+            mods.append(nn.Sigmoid())
+        elif isinstance(layer, Gelu):
+            mods.append(nn.GELU(approximate=layer.approximate))
+        elif isinstance(layer, LeakyRelu):
+            mods.append(nn.LeakyReLU(layer.negative_slope))
+        elif isinstance(layer, Hardswish):
+            mods.append(nn.Hardswish())
+        else:
+            raise UnsupportedLayer(f"no torch module for layer {layer!r}")
     module = nn.Sequential(*mods)
     if params is not None:
         load_params(module, params)
@@ -48,7 +73,14 @@ def load_params(module: nn.Module, params: Sequence[np.ndarray]) -> None:
 
 
 _SUPPORTED = "Linear, Conv2d (square kernel, stride 1, no padding, no dilation/groups), " \
-    "MaxPool2d(2), ReLU, Flatten"
+    "MaxPool2d(2), ReLU, Tanh, Sigmoid, GELU, LeakyReLU, Hardswish, Flatten"
+
+_DROPOUT_REASON = (
+    "Dropout is not exported: the per-sample gradient graphs take no dropout-mask input, and a "
+    "mask drawn inside the graph would come from onnxruntime's generator, not from the step's "
+    "rng the device draws its randomness from, so the step could not be replayed or audited; "
+    "remove the Dropout layers (DP-SGD's clipping and noise already regularise)"
+)
 
 
 def spec_from_module(
@@ -59,8 +91,6 @@ def spec_from_module(
     Raises:
         UnsupportedLayer: naming the first layer outside the supported set.
     """
-    from edge_sdk.model import UnsupportedLayer
-
     layers: list = []
     for i, mod in enumerate(module):
         kind = type(mod).__name__
@@ -78,6 +108,18 @@ def spec_from_module(
             layers.append(Relu())
         elif isinstance(mod, nn.Flatten):
             layers.append(Flatten())
+        elif isinstance(mod, nn.Tanh):
+            layers.append(Tanh())
+        elif isinstance(mod, nn.Sigmoid):
+            layers.append(Sigmoid())
+        elif isinstance(mod, nn.GELU):
+            layers.append(Gelu(approximate=mod.approximate))
+        elif isinstance(mod, nn.LeakyReLU):
+            layers.append(LeakyRelu(negative_slope=float(mod.negative_slope)))
+        elif isinstance(mod, nn.Hardswish):
+            layers.append(Hardswish())
+        elif isinstance(mod, nn.modules.dropout._DropoutNd):
+            raise UnsupportedLayer(f"layer {i} ({kind}: {mod}): {_DROPOUT_REASON}")
         else:
             raise UnsupportedLayer(
                 f"layer {i} ({kind}: {mod}) cannot be exported for per-sample gradients; "

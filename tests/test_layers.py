@@ -1,0 +1,235 @@
+"""Issue 17's wider layer set: per-sample gradients against torch.func, for the torch graph
+module (eager, hypothesis over shapes), the numpy engine, and the exported ONNX graph (one
+fixed model per layer family); one DP-SGD step per family against Opacus. torch is allowed
+here: these are reference tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.func import functional_call, grad, vmap
+
+from edge_sdk.engine import GradResult, NumpyEngine, load_engine
+from edge_sdk.model import (
+    Flatten,
+    Gelu,
+    Hardswish,
+    LeakyRelu,
+    Linear,
+    ModelSpec,
+    Sigmoid,
+    Tanh,
+    UnsupportedLayer,
+    init_params,
+)
+from edge_sdk.train import dp_sgd_step
+from models.export import export_variant
+from models.persample import PerSampleGrad
+from models.zoo import build_module, spec_from_module
+
+pytestmark = pytest.mark.reference
+
+HYPO = settings(max_examples=20, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+class TorchGraph:
+    """The per-sample graph module run eagerly, with the engine's contract."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+
+    def clipped_grad_sum(self, params, x, y, clip, masks=None) -> GradResult:
+        graph = PerSampleGrad(self.spec, masked=masks is not None)
+        ts = [torch.tensor(p) for p in params]
+        ms = [] if masks is None else [torch.tensor(m) for m in masks]
+        with torch.no_grad():
+            out = graph(*ts, *ms, torch.tensor(x), torch.tensor(y),
+                        torch.tensor(clip, dtype=torch.float32))
+        return GradResult(out[0].numpy(), out[1].numpy(), [g.numpy() for g in out[2:]])
+
+
+def _torch_per_sample(spec: ModelSpec, params, x, y) -> np.ndarray:
+    module = build_module(spec, params)
+    names = [n for n, _ in module.named_parameters()]
+    weights = {n: p.detach() for n, p in module.named_parameters()}
+
+    def loss(w, xi, yi):
+        out = functional_call(module, w, (xi[None],))
+        return torch.nn.functional.cross_entropy(out, yi[None])
+
+    g = vmap(grad(loss), in_dims=(None, 0, 0))(weights, torch.tensor(x), torch.tensor(y))
+    return torch.cat([g[n].reshape(len(y), -1) for n in names], dim=1).numpy()
+
+
+def _batch(spec: ModelSpec, b: int, rng: np.random.Generator):
+    x = (2.0 * rng.standard_normal((b, *spec.input_shape))).astype(np.float32)
+    return x, rng.integers(0, spec.num_classes, b)
+
+
+def check_against_torch_func(spec: ModelSpec, engines, *, b: int, seed: int,
+                             params=None, x=None, y=None) -> None:
+    """Per-sample gradients (numpy engine), norms and clipped sums (every engine, with and
+    without a rand-k mask) equal torch.func's to float32 tolerance."""
+    rng = np.random.default_rng(seed)
+    params = init_params(spec, rng) if params is None else params
+    if x is None:
+        x, y = _batch(spec, b, rng)
+    b = len(y)
+    ref = _torch_per_sample(spec, params, x, y)
+    tol = 1e-5 * max(float(np.abs(ref).max()), 1e-3)
+    for engine in engines:
+        if isinstance(engine, NumpyEngine):
+            np.testing.assert_allclose(engine.per_sample_grads(params, x, y), ref,
+                                       rtol=0, atol=tol)
+    masks = [(rng.random(p.shape) < 0.4).astype(np.float32) for p in params]
+    keep = np.concatenate([m.ravel() for m in masks]).astype(bool)
+    for mask in (None, masks):
+        sel = ref if mask is None else ref[:, keep]
+        ref_norms = np.linalg.norm(sel.astype(np.float64), axis=1)
+        for clip in (np.inf, 0.5 * float(np.median(ref_norms)) + 1e-3):
+            factor = np.minimum(1.0, clip / np.maximum(ref_norms, 1e-30))
+            ref_sum = (sel * factor[:, None]).sum(axis=0)
+            for engine in engines:
+                res = engine.clipped_grad_sum(params, x, y, clip, masks=mask)
+                np.testing.assert_allclose(res.norms, ref_norms, rtol=1e-5, atol=tol)
+                got = np.concatenate([g.ravel() for g in res.clipped_sum])
+                if mask is not None:
+                    assert not got[~keep].any()
+                    got = got[keep]
+                np.testing.assert_allclose(got, ref_sum, rtol=0, atol=tol * max(1, b / 8))
+
+
+def check_opacus_step(spec: ModelSpec, engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One noisy DP-SGD step through ``engine`` equals Opacus' (same injected noise)."""
+    import opacus.optimizers.optimizer as opt_mod
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    rng = np.random.default_rng(3)
+    params = init_params(spec, rng)
+    b, clip, z, lr = 16, 0.7, 1.3, 0.1
+    x, y = _batch(spec, b, rng)
+    noise = [rng.normal(0, z * clip, size=p.shape).astype(np.float32) for p in params]
+    theta = [p.copy() for p in params]
+    dp_sgd_step(engine, theta, x, y, clip=clip, noise=noise, lr=lr, denom=b)
+
+    injected = iter(noise)
+    monkeypatch.setattr(
+        opt_mod, "_generate_noise",
+        lambda std, reference, generator=None, secure_mode=False: torch.tensor(next(injected)),
+    )
+    module = GradSampleModule(build_module(spec, params), loss_reduction="mean")
+    opt = DPOptimizer(torch.optim.SGD(module.parameters(), lr=lr), noise_multiplier=z,
+                      max_grad_norm=clip, expected_batch_size=b, loss_reduction="mean")
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(module(torch.tensor(x)), torch.tensor(y)).backward()
+    opt.step()
+    for mine, ref in zip(theta, module.parameters(), strict=True):
+        r = ref.detach().numpy()
+        np.testing.assert_allclose(mine, r, rtol=0, atol=1e-5 * max(1.0, np.abs(r).max()))
+
+
+def both(spec: ModelSpec) -> tuple:
+    return TorchGraph(spec), NumpyEngine(spec)
+
+
+# --- 1. activations -------------------------------------------------------------------------
+
+ACTS = st.one_of(
+    st.builds(Tanh), st.builds(Sigmoid), st.builds(Hardswish),
+    st.sampled_from(["none", "tanh"]).map(lambda a: Gelu(approximate=a)),
+    st.floats(0.0, 0.5).map(lambda s: LeakyRelu(negative_slope=s)),
+)
+
+
+def _act_spec(d: int, hidden: int, classes: int, acts) -> ModelSpec:
+    layers: list = [Linear(in_features=d, out_features=hidden)]
+    for act in acts:
+        layers += [act, Linear(in_features=hidden, out_features=hidden)]
+    layers[-1] = Linear(in_features=hidden, out_features=classes)
+    return ModelSpec(name="acts", input_shape=(d,), num_classes=classes, layers=tuple(layers))
+
+
+@HYPO
+@given(acts=st.lists(ACTS, min_size=1, max_size=3), d=st.integers(1, 7),
+       hidden=st.integers(1, 9), classes=st.integers(2, 4), b=st.integers(1, 6),
+       seed=st.integers(0, 2**16))
+def test_activations_match_torch_func(acts, d, hidden, classes, b, seed) -> None:
+    spec = _act_spec(d, hidden, classes, acts)
+    check_against_torch_func(spec, both(spec), b=b, seed=seed)
+
+
+@pytest.mark.parametrize("act", [Hardswish(), LeakyRelu(negative_slope=0.2),
+                                 Gelu(), Gelu(approximate="tanh"), Sigmoid(), Tanh()],
+                         ids=lambda a: f"{a.kind}")
+def test_activation_gradients_at_the_kinks_follow_torch(act) -> None:
+    """Pre-activations exactly at -3, 0, 3 (Hardswish's and LeakyReLU's kinks)."""
+    spec = ModelSpec(name="kinks", input_shape=(4,), num_classes=3, layers=(
+        Linear(in_features=4, out_features=5), act, Linear(in_features=5, out_features=3)))
+    rng = np.random.default_rng(0)
+    params = init_params(spec, rng)
+    params[0][:] = 0.0
+    params[1][:] = np.array([-3.0, 0.0, 3.0, -1.0, 1.5], dtype=np.float32)
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    y = np.array([0, 1, 2, 0, 1])
+    check_against_torch_func(spec, both(spec), b=5, seed=1, params=params, x=x, y=y)
+
+
+ACT_MODEL = _act_spec(6, 8, 3, [Tanh(), Sigmoid(), Gelu(), Gelu(approximate="tanh"),
+                                LeakyRelu(negative_slope=0.2), Hardswish()])
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory):
+    """Export a spec once per module; returns its ONNX engine."""
+    done: dict[str, object] = {}
+    root: Path = tmp_path_factory.mktemp("onnx")
+
+    def get(spec: ModelSpec):
+        key = repr(spec)
+        if key not in done:
+            out = root / f"m{len(done)}"
+            done[key] = load_engine(export_variant(spec, out))
+        return done[key]
+
+    return get
+
+
+@pytest.mark.parametrize("b", [1, 9])
+def test_activation_model_onnx_graph_matches_torch_func(exported, b: int) -> None:
+    check_against_torch_func(ACT_MODEL, (exported(ACT_MODEL),), b=b, seed=b)
+
+
+def test_activation_model_step_matches_opacus(exported, monkeypatch) -> None:
+    check_opacus_step(ACT_MODEL, exported(ACT_MODEL), monkeypatch)
+
+
+def test_activation_modules_export_and_dropout_is_refused_with_a_reason() -> None:
+    from torch import nn
+
+    module = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.GELU(),
+                           nn.Linear(8, 8), nn.GELU(approximate="tanh"), nn.Linear(8, 8),
+                           nn.LeakyReLU(0.2), nn.Linear(8, 8), nn.Sigmoid(), nn.Linear(8, 8),
+                           nn.Hardswish(), nn.Linear(8, 3))
+    spec = spec_from_module(module, (6,), 3)
+    assert [layer.kind for layer in spec.layers[1::2]] == [
+        "tanh", "gelu", "gelu", "leakyrelu", "sigmoid", "hardswish"]
+    assert spec.layers[5] == Gelu(approximate="tanh") and spec.layers[3] == Gelu()
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+    with pytest.raises(UnsupportedLayer, match=r"layer 1 \(Dropout.*no dropout-mask input"):
+        spec_from_module(nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.1), nn.Linear(8, 3)),
+                         (6,), 3)
+    with pytest.raises(UnsupportedLayer, match="approximate"):
+        Gelu(approximate="fast")
+
+
+def test_flatten_first_then_activation_spec_is_fine() -> None:
+    spec = ModelSpec(name="f", input_shape=(2, 3), num_classes=2, layers=(
+        Flatten(), Tanh(), Linear(in_features=6, out_features=2)))
+    check_against_torch_func(spec, both(spec), b=3, seed=0)
