@@ -28,6 +28,7 @@ import numpy as np
 
 from edge_sdk.model import (
     ACTIVATIONS,
+    Conv1d,
     Conv2d,
     Flatten,
     Gelu,
@@ -39,6 +40,7 @@ from edge_sdk.model import (
     Relu,
     Sigmoid,
     Tanh,
+    conv_geometry,
 )
 
 __all__ = [
@@ -270,6 +272,40 @@ def _im2col(x: np.ndarray, k: int) -> np.ndarray:
     return win.transpose(0, 1, 4, 5, 2, 3).reshape(b, c * k * k, (h - k + 1) * (w - k + 1))
 
 
+def _plain(layer: Any) -> bool:
+    """A stride-1, unpadded, undilated Conv2d: the zoo's conv, with its own (older) code."""
+    return (isinstance(layer, Conv2d) and layer.stride == 1 and layer.padding == 0
+            and layer.dilation == 1)
+
+
+def _conv_cols(x: np.ndarray, layer: Conv2d | Conv1d) -> np.ndarray:
+    """im2col of a conv seen as 2-D, x [B, C, H, W] (Conv1d: H = 1) -> [B, C*kh*kw, Ho*Wo]."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = conv_geometry(layer)
+    if ph or pw:
+        x = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    b, c = x.shape[:2]
+    span = (dh * (kh - 1) + 1, dw * (kw - 1) + 1)
+    win = np.lib.stride_tricks.sliding_window_view(x, span, axis=(2, 3))
+    win = win[:, :, ::sh, ::sw, ::dh, ::dw]  # B, C, Ho, Wo, kh, kw
+    ho, wo = win.shape[2], win.shape[3]
+    return win.transpose(0, 1, 4, 5, 2, 3).reshape(b, c * kh * kw, ho * wo)
+
+
+def _conv_col2im(dcols: np.ndarray, in_shape: tuple[int, ...], layer: Conv2d | Conv1d,
+                 out_hw: tuple[int, int]) -> np.ndarray:
+    """Adjoint of :func:`_conv_cols`: [B, C*kh*kw, Ho*Wo] -> input gradient [B, C, H, W]."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = conv_geometry(layer)
+    b, c, h, w = in_shape
+    ho, wo = out_hw
+    blocks = dcols.reshape(b, c, kh, kw, ho, wo)
+    out = np.zeros((b, c, h + 2 * ph, w + 2 * pw), dtype=dcols.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            out[:, :, i * dh : i * dh + (ho - 1) * sh + 1 : sh,
+                j * dw : j * dw + (wo - 1) * sw + 1 : sw] += blocks[:, :, i, j]
+    return out[:, :, ph : ph + h, pw : pw + w]
+
+
 def _pool(h: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     parts = [h[:, :, 0::2, 0::2], h[:, :, 0::2, 1::2], h[:, :, 1::2, 0::2], h[:, :, 1::2, 1::2]]
     m = np.maximum(np.maximum(parts[0], parts[1]), np.maximum(parts[2], parts[3]))
@@ -303,13 +339,25 @@ class NumpyEngine:
                 cache.append((h, pi))
                 h = h @ params[pi].T + params[pi + 1]
                 pi += 2
-            elif isinstance(layer, Conv2d):
+            elif _plain(layer):
                 k, b = layer.kernel, h.shape[0]
                 ho, wo = h.shape[2] - k + 1, h.shape[3] - k + 1
                 cols = _im2col(h, k)
                 cache.append((cols, pi, h.shape))
                 out = np.matmul(params[pi].reshape(layer.out_channels, -1), cols)
                 h = (out + params[pi + 1][:, None]).reshape(b, layer.out_channels, ho, wo)
+                pi += 2
+            elif isinstance(layer, Conv2d | Conv1d):
+                h4 = h if isinstance(layer, Conv2d) else h[:, :, None, :]
+                cols = _conv_cols(h4, layer)
+                cache.append((cols, pi, h4.shape, layer))
+                out = np.matmul(params[pi].reshape(layer.out_channels, -1), cols)
+                out = out + params[pi + 1][:, None]
+                (kh, kw), (sh, sw), (ph, pw), (dh, dw) = conv_geometry(layer)
+                ho = (h4.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+                wo = (h4.shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+                shape = (ho, wo) if isinstance(layer, Conv2d) else (wo,)
+                h = out.reshape(h.shape[0], layer.out_channels, *shape)
                 pi += 2
             elif isinstance(layer, MaxPool2d):
                 h, masks = _pool(h)
@@ -352,8 +400,8 @@ class NumpyEngine:
                 if pi == 0:
                     break
                 d = d @ params[pi]
-            elif isinstance(layer, Conv2d):
-                cols, pi, in_shape = c
+            elif isinstance(layer, Conv2d | Conv1d):
+                cols, pi, in_shape = c[:3]
                 dflat = d.reshape(d.shape[0], d.shape[1], -1)
                 gw = np.matmul(dflat, cols.transpose(0, 2, 1))
                 gb = dflat.sum(axis=2)
@@ -366,7 +414,13 @@ class NumpyEngine:
                     break
                 w2 = params[pi].reshape(layer.out_channels, -1)
                 dcols = np.matmul(w2.T, dflat)  # B, C*k*k, Ho*Wo
-                d = self._col2im(dcols, in_shape, layer.kernel)
+                if len(c) == 4:
+                    out_hw = d.shape[2:] if isinstance(layer, Conv2d) else (1, d.shape[2])
+                    d = _conv_col2im(dcols, in_shape, layer, out_hw)
+                    if isinstance(layer, Conv1d):
+                        d = d[:, :, 0, :]
+                else:
+                    d = self._col2im(dcols, in_shape, layer.kernel)
             elif isinstance(layer, MaxPool2d):
                 d = _unpool(d, c)
             elif isinstance(layer, ACTIVATIONS):

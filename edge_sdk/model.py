@@ -18,6 +18,7 @@ import numpy as np
 from edge_sdk.errors import EdgeError
 
 __all__ = [
+    "Conv1d",
     "Conv2d",
     "Flatten",
     "Gelu",
@@ -33,6 +34,7 @@ __all__ = [
     "ZOO",
     "build_spec",
     "cnn",
+    "conv_geometry",
     "flatten_params",
     "init_params",
     "logreg",
@@ -53,14 +55,61 @@ class Linear:
     kind: str = field(default="linear", init=False)
 
 
+def _check_conv(layer: Any) -> None:
+    name = type(layer).__name__
+    for attr in ("in_channels", "out_channels", "kernel", "stride", "dilation"):
+        value = getattr(layer, attr)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} {attr} must be an int >= 1, got {value!r}")
+    if not isinstance(layer.padding, int) or isinstance(layer.padding, bool) or layer.padding < 0:
+        raise ValueError(f"{name} padding must be an int >= 0, got {layer.padding!r}")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Conv2d:
-    """Square kernel, stride 1, no padding (the only conv the zoo needs)."""
+    """Square kernel; the same stride, zero padding and dilation along both axes
+    (torch's defaults: 1, 0, 1). No groups."""
 
     in_channels: int
     out_channels: int
     kernel: int
+    stride: int = 1
+    padding: int = 0
+    dilation: int = 1
     kind: str = field(default="conv2d", init=False)
+
+    def __post_init__(self) -> None:
+        _check_conv(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Conv1d:
+    """1-D convolution over [C, L] inputs (time series): stride, zero padding, dilation.
+    Computed as a Conv2d of height 1."""
+
+    in_channels: int
+    out_channels: int
+    kernel: int
+    stride: int = 1
+    padding: int = 0
+    dilation: int = 1
+    kind: str = field(default="conv1d", init=False)
+
+    def __post_init__(self) -> None:
+        _check_conv(self)
+
+
+def conv_geometry(layer: Conv2d | Conv1d) -> tuple[tuple[int, int], ...]:
+    """((kh, kw), (sh, sw), (ph, pw), (dh, dw)) of a conv seen as 2-D (Conv1d: height 1)."""
+    if isinstance(layer, Conv1d):
+        return (1, layer.kernel), (1, layer.stride), (0, layer.padding), (1, layer.dilation)
+    k, st, p, dl = layer.kernel, layer.stride, layer.padding, layer.dilation
+    return (k, k), (st, st), (p, p), (dl, dl)
+
+
+def conv_out_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
+    """Output length along one axis (torch's formula, floor division)."""
+    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -134,12 +183,14 @@ class Hardswish:
     kind: str = field(default="hardswish", init=False)
 
 
-Layer = Linear | Conv2d | MaxPool2d | Relu | Flatten | Tanh | Sigmoid | Gelu | LeakyRelu | Hardswish
+Layer = (Linear | Conv2d | Conv1d | MaxPool2d | Relu | Flatten | Tanh | Sigmoid | Gelu | LeakyRelu
+         | Hardswish)
 # Element-wise activations: no parameters, shape kept, gradient = upstream * f'(pre-activation).
 ACTIVATIONS = (Relu, Tanh, Sigmoid, Gelu, LeakyRelu, Hardswish)
 _LAYER_TYPES: dict[str, type] = {
     "linear": Linear,
     "conv2d": Conv2d,
+    "conv1d": Conv1d,
     "maxpool2d": MaxPool2d,
     "relu": Relu,
     "flatten": Flatten,
@@ -182,6 +233,10 @@ class ModelSpec:
             elif isinstance(layer, Conv2d):
                 k = layer.kernel
                 out.append((f"l{i}.weight", (layer.out_channels, layer.in_channels, k, k)))
+                out.append((f"l{i}.bias", (layer.out_channels,)))
+            elif isinstance(layer, Conv1d):
+                k = layer.kernel
+                out.append((f"l{i}.weight", (layer.out_channels, layer.in_channels, k)))
                 out.append((f"l{i}.bias", (layer.out_channels,)))
         return out
 
@@ -226,13 +281,20 @@ def _out_shape(layer: Layer, shape: tuple[int, ...], index: int) -> tuple[int, .
         if shape != (layer.in_features,):
             raise ValueError(f"{where} expects input ({layer.in_features},), got {shape}")
         return (layer.out_features,)
-    if isinstance(layer, Conv2d):
-        if len(shape) != 3 or shape[0] != layer.in_channels:
-            raise ValueError(f"{where} expects input ({layer.in_channels}, H, W), got {shape}")
-        h, w = shape[1] - layer.kernel + 1, shape[2] - layer.kernel + 1
+    if isinstance(layer, Conv2d | Conv1d):
+        rank, dims = (3, "H, W") if isinstance(layer, Conv2d) else (2, "L")
+        if len(shape) != rank or shape[0] != layer.in_channels:
+            raise ValueError(f"{where} expects input ({layer.in_channels}, {dims}), got {shape}")
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = conv_geometry(layer)
+        spatial = (1, *shape[1:]) if rank == 2 else shape[1:]
+        h = conv_out_size(spatial[0], kh, sh, ph, dh)
+        w = conv_out_size(spatial[1], kw, sw, pw, dw)
         if h < 1 or w < 1:
-            raise ValueError(f"{where}: kernel {layer.kernel} larger than input {shape}")
-        return (layer.out_channels, h, w)
+            raise ValueError(
+                f"{where}: kernel {layer.kernel} (dilation {layer.dilation}, padding "
+                f"{layer.padding}) larger than input {shape}"
+            )
+        return (layer.out_channels, h, w) if rank == 3 else (layer.out_channels, w)
     if isinstance(layer, MaxPool2d):
         if len(shape) != 3 or shape[1] % 2 or shape[2] % 2:
             raise ValueError(f"{where} expects (C, H, W) with even H, W, got {shape}")

@@ -9,6 +9,10 @@ out layer by layer for the supported set, with the weights as graph inputs:
 * Conv2d (stride 1, no padding): im2col from slices (not ``F.unfold``, which becomes slow
   Gather ops in onnxruntime) and a batched MatMul give the per-sample weight gradient
   [B, out, in*k*k], small for the zoo's convs; the input gradient is a transposed conv.
+* Conv2d with stride, zero padding or dilation, and Conv1d (as a Conv2d of height 1): the
+  same im2col from strided slices of the zero-padded input; the input gradient is a
+  transposed conv with those settings and the output padding that restores the input size.
+  Stride-1 unpadded Conv2d keeps the code above, so the zoo's graphs do not change.
 * MaxPool2d 2x2: the four window elements by strided slices; the gradient goes to the
   first maximum in scan order, torch's tie rule.
 * Relu: gradient where the pre-activation is > 0 (torch's rule at 0).
@@ -37,6 +41,7 @@ from torch import Tensor, nn
 
 from edge_sdk.model import (
     ACTIVATIONS,
+    Conv1d,
     Conv2d,
     Flatten,
     Gelu,
@@ -48,6 +53,7 @@ from edge_sdk.model import (
     Relu,
     Sigmoid,
     Tanh,
+    conv_geometry,
 )
 
 _TINY = float(torch.finfo(torch.float32).tiny)
@@ -59,6 +65,42 @@ def im2col(x: Tensor, k: int) -> Tensor:
     ho, wo = h - k + 1, w - k + 1
     patches = [x[:, :, i : i + ho, j : j + wo] for i in range(k) for j in range(k)]
     return torch.stack(patches, dim=2).reshape(-1, c * k * k, ho * wo)
+
+
+def _plain(layer: Any) -> bool:
+    """A stride-1, unpadded, undilated Conv2d: the zoo's conv, with its own (older) code."""
+    return (isinstance(layer, Conv2d) and layer.stride == 1 and layer.padding == 0
+            and layer.dilation == 1)
+
+
+def conv_cols(x: Tensor, layer: Conv2d | Conv1d) -> tuple[Tensor, int, int]:
+    """im2col of a conv seen as 2-D: x [B, C, H, W] (Conv1d: H = 1) -> ([B, C*kh*kw, Ho*Wo],
+    Ho, Wo), column order (c, i, j) as in the weight's reshape; slices, not F.unfold."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = conv_geometry(layer)
+    if ph or pw:
+        x = F.pad(x, (pw, pw, ph, ph))
+    c, h, w = x.shape[1], x.shape[2], x.shape[3]
+    ho, wo = (h - dh * (kh - 1) - 1) // sh + 1, (w - dw * (kw - 1) - 1) // sw + 1
+    patches = [x[:, :, i * dh : i * dh + (ho - 1) * sh + 1 : sh,
+                 j * dw : j * dw + (wo - 1) * sw + 1 : sw]
+               for i in range(kh) for j in range(kw)]
+    return torch.stack(patches, dim=2).reshape(-1, c * kh * kw, ho * wo), ho, wo
+
+
+def conv_input_grad(d: Tensor, w: Tensor, layer: Conv2d | Conv1d,
+                    in_shape: tuple[int, ...]) -> Tensor:
+    """Gradient w.r.t. the conv's input [B, *in_shape] from the output gradient ``d``."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = conv_geometry(layer)
+    if isinstance(layer, Conv1d):
+        length, lo = in_shape[1], d.shape[2]
+        pad_out = length + 2 * pw - dw * (kw - 1) - 1 - (lo - 1) * sw
+        return F.conv_transpose1d(d, w, stride=sw, padding=pw, output_padding=pad_out,
+                                  dilation=dw)
+    h, wd, ho, wo = in_shape[1], in_shape[2], d.shape[2], d.shape[3]
+    pad_out = (h + 2 * ph - dh * (kh - 1) - 1 - (ho - 1) * sh,
+               wd + 2 * pw - dw * (kw - 1) - 1 - (wo - 1) * sw)
+    return F.conv_transpose2d(d, w, stride=(sh, sw), padding=(ph, pw), output_padding=pad_out,
+                              dilation=(dh, dw))
 
 
 def activation(layer: Any, h: Tensor) -> tuple[Tensor, Tensor]:
@@ -131,7 +173,7 @@ class PerSampleGrad(nn.Module):
                 cache.append({"a": h, "w": w, "pi": pi})
                 h = h @ w.t() + b
                 pi += 2
-            elif isinstance(layer, Conv2d):
+            elif _plain(layer):
                 w, b = params[pi], params[pi + 1]
                 k = layer.kernel
                 ho, wo = h.shape[2] - k + 1, h.shape[3] - k + 1
@@ -139,6 +181,16 @@ class PerSampleGrad(nn.Module):
                 out = torch.matmul(w.reshape(layer.out_channels, -1), cols) + b[:, None]
                 cache.append({"cols": cols, "w": w, "pi": pi})
                 h = out.reshape(-1, layer.out_channels, ho, wo)
+                pi += 2
+            elif isinstance(layer, Conv2d | Conv1d):
+                w, b = params[pi], params[pi + 1]
+                cols, ho, wo = conv_cols(h if isinstance(layer, Conv2d) else h.unsqueeze(2),
+                                         layer)
+                out = torch.matmul(w.reshape(layer.out_channels, -1), cols) + b[:, None]
+                cache.append({"cols": cols, "w": w, "pi": pi, "layer": layer,
+                              "in_shape": tuple(h.shape[1:])})
+                shape = (ho, wo) if isinstance(layer, Conv2d) else (wo,)
+                h = out.reshape(-1, layer.out_channels, *shape)
                 pi += 2
             elif isinstance(layer, MaxPool2d):
                 h, winners = _pool_masks(h)
@@ -173,7 +225,7 @@ class PerSampleGrad(nn.Module):
                 if c["pi"] == 0:  # nothing below the first layer needs a gradient
                     break
                 d = d @ c["w"]
-            elif isinstance(layer, Conv2d):
+            elif isinstance(layer, Conv2d | Conv1d):
                 dflat = d.reshape(d.shape[0], d.shape[1], -1)
                 gw = torch.matmul(dflat, c["cols"].transpose(1, 2))
                 gb = dflat.sum(dim=2)
@@ -184,7 +236,10 @@ class PerSampleGrad(nn.Module):
                 saved.append(("conv", (c["pi"], gw, gb)))
                 if c["pi"] == 0:
                     break
-                d = F.conv_transpose2d(d, c["w"])
+                if "layer" in c:
+                    d = conv_input_grad(d, c["w"], c["layer"], c["in_shape"])
+                else:
+                    d = F.conv_transpose2d(d, c["w"])
             elif isinstance(layer, MaxPool2d):
                 d = _unpool(d, c["winners"])
             elif isinstance(layer, ACTIVATIONS):
@@ -226,8 +281,16 @@ class Logits(nn.Module):
             if isinstance(layer, Linear):
                 h = h @ params[pi].t() + params[pi + 1]
                 pi += 2
-            elif isinstance(layer, Conv2d):
+            elif _plain(layer):
                 h = F.conv2d(h, params[pi], params[pi + 1])
+                pi += 2
+            elif isinstance(layer, Conv2d):
+                h = F.conv2d(h, params[pi], params[pi + 1], stride=layer.stride,
+                             padding=layer.padding, dilation=layer.dilation)
+                pi += 2
+            elif isinstance(layer, Conv1d):
+                h = F.conv1d(h, params[pi], params[pi + 1], stride=layer.stride,
+                             padding=layer.padding, dilation=layer.dilation)
                 pi += 2
             elif isinstance(layer, MaxPool2d):
                 h = F.max_pool2d(h, 2)

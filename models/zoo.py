@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from edge_sdk.model import (
+    Conv1d,
     Conv2d,
     Flatten,
     Gelu,
@@ -34,8 +35,11 @@ def build_module(spec: ModelSpec, params: Sequence[np.ndarray] | None = None) ->
     for layer in spec.layers:
         if isinstance(layer, Linear):
             mods.append(nn.Linear(layer.in_features, layer.out_features))
-        elif isinstance(layer, Conv2d):
-            mods.append(nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel))
+        elif isinstance(layer, Conv2d | Conv1d):
+            cls = nn.Conv2d if isinstance(layer, Conv2d) else nn.Conv1d
+            mods.append(cls(layer.in_channels, layer.out_channels, layer.kernel,
+                            stride=layer.stride, padding=layer.padding,
+                            dilation=layer.dilation))
         elif isinstance(layer, MaxPool2d):
             mods.append(nn.MaxPool2d(layer.kernel))
         elif isinstance(layer, Relu):
@@ -72,8 +76,11 @@ def load_params(module: nn.Module, params: Sequence[np.ndarray]) -> None:
             p.copy_(torch.as_tensor(np.asarray(v, dtype=np.float32)))
 
 
-_SUPPORTED = "Linear, Conv2d (square kernel, stride 1, no padding, no dilation/groups), " \
-    "MaxPool2d(2), ReLU, Tanh, Sigmoid, GELU, LeakyReLU, Hardswish, Flatten"
+_SUPPORTED = (
+    "Linear, Conv2d/Conv1d (with bias; square kernel, same stride, numeric zero padding and "
+    "dilation on both axes; no groups), MaxPool2d(2), ReLU, Tanh, Sigmoid, GELU, LeakyReLU, "
+    "Hardswish, Flatten"
+)
 
 _DROPOUT_REASON = (
     "Dropout is not exported: the per-sample gradient graphs take no dropout-mask input, and a "
@@ -96,11 +103,15 @@ def spec_from_module(
         kind = type(mod).__name__
         if isinstance(mod, nn.Linear) and mod.bias is not None:
             layers.append(Linear(in_features=mod.in_features, out_features=mod.out_features))
-        elif (isinstance(mod, nn.Conv2d) and mod.bias is not None
-              and mod.kernel_size[0] == mod.kernel_size[1] and mod.stride == (1, 1)
-              and mod.padding == (0, 0) and mod.dilation == (1, 1) and mod.groups == 1):
-            layers.append(Conv2d(in_channels=mod.in_channels, out_channels=mod.out_channels,
-                                 kernel=mod.kernel_size[0]))
+        elif (isinstance(mod, nn.Conv2d | nn.Conv1d) and mod.bias is not None
+              and len(set(mod.kernel_size)) == 1 and len(set(mod.stride)) == 1
+              and isinstance(mod.padding, tuple) and len(set(mod.padding)) == 1
+              and len(set(mod.dilation)) == 1 and mod.groups == 1
+              and mod.padding_mode == "zeros"):
+            cls = Conv2d if isinstance(mod, nn.Conv2d) else Conv1d
+            layers.append(cls(in_channels=mod.in_channels, out_channels=mod.out_channels,
+                              kernel=mod.kernel_size[0], stride=mod.stride[0],
+                              padding=mod.padding[0], dilation=mod.dilation[0]))
         elif (isinstance(mod, nn.MaxPool2d) and mod.kernel_size in (2, (2, 2))
               and mod.stride in (2, (2, 2)) and mod.padding in (0, (0, 0))):
             layers.append(MaxPool2d())
