@@ -28,10 +28,13 @@ import numpy as np
 
 from edge_sdk.model import (
     ACTIVATIONS,
+    AvgPool1d,
+    AvgPool2d,
     Conv1d,
     Conv2d,
     Flatten,
     Gelu,
+    GlobalAvgPool,
     Hardswish,
     LeakyRelu,
     Linear,
@@ -41,6 +44,7 @@ from edge_sdk.model import (
     Sigmoid,
     Tanh,
     conv_geometry,
+    pool_geometry,
 )
 
 __all__ = [
@@ -306,6 +310,29 @@ def _conv_col2im(dcols: np.ndarray, in_shape: tuple[int, ...], layer: Conv2d | C
     return out[:, :, ph : ph + h, pw : pw + w]
 
 
+def _avg_pool(h: np.ndarray, layer: AvgPool2d | AvgPool1d) -> np.ndarray:
+    (kh, kw), (sh, sw) = pool_geometry(layer)
+    h4 = h[:, :, None, :] if isinstance(layer, AvgPool1d) else h
+    win = np.lib.stride_tricks.sliding_window_view(h4, (kh, kw), axis=(2, 3))[:, :, ::sh, ::sw]
+    out = win.mean(axis=(4, 5), dtype=np.float32)
+    return out[:, :, 0, :] if isinstance(layer, AvgPool1d) else out
+
+
+def _avg_unpool(d: np.ndarray, layer: AvgPool2d | AvgPool1d,
+                in_shape: tuple[int, ...]) -> np.ndarray:
+    """Input gradient [B, *in_shape]: each window's gradient spread evenly over its inputs."""
+    (kh, kw), (sh, sw) = pool_geometry(layer)
+    d4 = d[:, :, None, :] if isinstance(layer, AvgPool1d) else d
+    b, c, ho, wo = d4.shape
+    h, w = (1, in_shape[1]) if isinstance(layer, AvgPool1d) else in_shape[1:]
+    share = d4 * np.float32(1.0 / (kh * kw))
+    out = np.zeros((b, c, h, w), dtype=d.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            out[:, :, i : i + (ho - 1) * sh + 1 : sh, j : j + (wo - 1) * sw + 1 : sw] += share
+    return out[:, :, 0, :] if isinstance(layer, AvgPool1d) else out
+
+
 def _pool(h: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     parts = [h[:, :, 0::2, 0::2], h[:, :, 0::2, 1::2], h[:, :, 1::2, 0::2], h[:, :, 1::2, 1::2]]
     m = np.maximum(np.maximum(parts[0], parts[1]), np.maximum(parts[2], parts[3]))
@@ -362,6 +389,12 @@ class NumpyEngine:
             elif isinstance(layer, MaxPool2d):
                 h, masks = _pool(h)
                 cache.append(masks)
+            elif isinstance(layer, AvgPool2d | AvgPool1d):
+                cache.append(h.shape[1:])
+                h = _avg_pool(h, layer)
+            elif isinstance(layer, GlobalAvgPool):
+                cache.append(h.shape[1:])
+                h = h.mean(axis=tuple(range(2, 2 + layer.dims)), keepdims=True, dtype=np.float32)
             elif isinstance(layer, Relu):
                 cache.append(h > 0)
                 h = np.maximum(h, 0)
@@ -423,6 +456,11 @@ class NumpyEngine:
                     d = self._col2im(dcols, in_shape, layer.kernel)
             elif isinstance(layer, MaxPool2d):
                 d = _unpool(d, c)
+            elif isinstance(layer, AvgPool2d | AvgPool1d):
+                d = _avg_unpool(d, layer, c)
+            elif isinstance(layer, GlobalAvgPool):
+                share = d * np.float32(1.0 / math.prod(c[1:]))
+                d = np.broadcast_to(share, (d.shape[0], *c)).copy()
             elif isinstance(layer, ACTIVATIONS):
                 d = d * c
             elif isinstance(layer, Flatten):

@@ -18,10 +18,13 @@ import numpy as np
 from edge_sdk.errors import EdgeError
 
 __all__ = [
+    "AvgPool1d",
+    "AvgPool2d",
     "Conv1d",
     "Conv2d",
     "Flatten",
     "Gelu",
+    "GlobalAvgPool",
     "Hardswish",
     "LeakyRelu",
     "Linear",
@@ -35,6 +38,7 @@ __all__ = [
     "build_spec",
     "cnn",
     "conv_geometry",
+    "pool_geometry",
     "flatten_params",
     "init_params",
     "logreg",
@@ -124,6 +128,59 @@ class MaxPool2d:
             raise UnsupportedLayer(f"MaxPool2d kernel must be 2, got {self.kernel!r}")
 
 
+def _check_pool(layer: Any) -> None:
+    if layer.stride is None:
+        object.__setattr__(layer, "stride", layer.kernel)  # torch's default: stride = kernel
+    for attr in ("kernel", "stride"):
+        value = getattr(layer, attr)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{type(layer).__name__} {attr} must be an int >= 1, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AvgPool2d:
+    """Square average pooling, no padding, floor mode (torch's defaults); stride defaults to
+    the kernel. A window's gradient is spread evenly over its kernel*kernel inputs."""
+
+    kernel: int
+    stride: int | None = None
+    kind: str = field(default="avgpool2d", init=False)
+
+    def __post_init__(self) -> None:
+        _check_pool(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AvgPool1d:
+    """Average pooling over [C, L], no padding, floor mode; stride defaults to the kernel."""
+
+    kernel: int
+    stride: int | None = None
+    kind: str = field(default="avgpool1d", init=False)
+
+    def __post_init__(self) -> None:
+        _check_pool(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GlobalAvgPool:
+    """Mean over all ``dims`` spatial axes (2: [C, H, W] -> [C, 1, 1]; 1: [C, L] -> [C, 1]),
+    torch's AdaptiveAvgPool2d(1) / AdaptiveAvgPool1d(1); follow it with Flatten."""
+
+    dims: int = 2
+    kind: str = field(default="globalavgpool", init=False)
+
+    def __post_init__(self) -> None:
+        if self.dims not in (1, 2):
+            raise ValueError(f"GlobalAvgPool dims must be 1 or 2, got {self.dims!r}")
+
+
+def pool_geometry(layer: AvgPool2d | AvgPool1d) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((kh, kw), (sh, sw)) of an average pool seen as 2-D (AvgPool1d: height 1)."""
+    k, st = layer.kernel, int(layer.stride or layer.kernel)
+    return ((1, k), (1, st)) if isinstance(layer, AvgPool1d) else ((k, k), (st, st))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Relu:
     kind: str = field(default="relu", init=False)
@@ -183,8 +240,8 @@ class Hardswish:
     kind: str = field(default="hardswish", init=False)
 
 
-Layer = (Linear | Conv2d | Conv1d | MaxPool2d | Relu | Flatten | Tanh | Sigmoid | Gelu | LeakyRelu
-         | Hardswish)
+Layer = (Linear | Conv2d | Conv1d | MaxPool2d | AvgPool2d | AvgPool1d | GlobalAvgPool | Relu
+         | Flatten | Tanh | Sigmoid | Gelu | LeakyRelu | Hardswish)
 # Element-wise activations: no parameters, shape kept, gradient = upstream * f'(pre-activation).
 ACTIVATIONS = (Relu, Tanh, Sigmoid, Gelu, LeakyRelu, Hardswish)
 _LAYER_TYPES: dict[str, type] = {
@@ -192,6 +249,9 @@ _LAYER_TYPES: dict[str, type] = {
     "conv2d": Conv2d,
     "conv1d": Conv1d,
     "maxpool2d": MaxPool2d,
+    "avgpool2d": AvgPool2d,
+    "avgpool1d": AvgPool1d,
+    "globalavgpool": GlobalAvgPool,
     "relu": Relu,
     "flatten": Flatten,
     "tanh": Tanh,
@@ -299,6 +359,21 @@ def _out_shape(layer: Layer, shape: tuple[int, ...], index: int) -> tuple[int, .
         if len(shape) != 3 or shape[1] % 2 or shape[2] % 2:
             raise ValueError(f"{where} expects (C, H, W) with even H, W, got {shape}")
         return (shape[0], shape[1] // 2, shape[2] // 2)
+    if isinstance(layer, AvgPool2d | AvgPool1d):
+        rank, dims = (3, "C, H, W") if isinstance(layer, AvgPool2d) else (2, "C, L")
+        if len(shape) != rank:
+            raise ValueError(f"{where} expects input ({dims}), got {shape}")
+        (kh, kw), (sh, sw) = pool_geometry(layer)
+        spatial = shape[1:] if rank == 3 else (1, shape[1])
+        h, w = (spatial[0] - kh) // sh + 1, (spatial[1] - kw) // sw + 1
+        if spatial[0] < kh or spatial[1] < kw:
+            raise ValueError(f"{where}: kernel {layer.kernel} larger than input {shape}")
+        return (shape[0], h, w) if rank == 3 else (shape[0], w)
+    if isinstance(layer, GlobalAvgPool):
+        if len(shape) != layer.dims + 1:
+            raise ValueError(f"{where} (dims={layer.dims}) expects a rank-{layer.dims + 1} "
+                             f"input (C, ...), got {shape}")
+        return (shape[0], *([1] * layer.dims))
     if isinstance(layer, ACTIVATIONS):
         return shape
     if isinstance(layer, Flatten):

@@ -15,6 +15,9 @@ out layer by layer for the supported set, with the weights as graph inputs:
   Stride-1 unpadded Conv2d keeps the code above, so the zoo's graphs do not change.
 * MaxPool2d 2x2: the four window elements by strided slices; the gradient goes to the
   first maximum in scan order, torch's tie rule.
+* AvgPool2d/AvgPool1d (no padding): the output gradient spread evenly over each window, a
+  transposed conv of the per-channel map with a constant 1/(kh*kw) kernel; GlobalAvgPool:
+  the output gradient / (number of positions), broadcast.
 * Relu: gradient where the pre-activation is > 0 (torch's rule at 0).
 * Tanh, Sigmoid, GELU (erf or tanh form), LeakyReLU, Hardswish: the upstream gradient times
   f'(pre-activation), f' written out as torch's autograd computes it (see ``activation``).
@@ -41,10 +44,13 @@ from torch import Tensor, nn
 
 from edge_sdk.model import (
     ACTIVATIONS,
+    AvgPool1d,
+    AvgPool2d,
     Conv1d,
     Conv2d,
     Flatten,
     Gelu,
+    GlobalAvgPool,
     Hardswish,
     LeakyRelu,
     Linear,
@@ -54,6 +60,7 @@ from edge_sdk.model import (
     Sigmoid,
     Tanh,
     conv_geometry,
+    pool_geometry,
 )
 
 _TINY = float(torch.finfo(torch.float32).tiny)
@@ -101,6 +108,23 @@ def conv_input_grad(d: Tensor, w: Tensor, layer: Conv2d | Conv1d,
                wd + 2 * pw - dw * (kw - 1) - 1 - (wo - 1) * sw)
     return F.conv_transpose2d(d, w, stride=(sh, sw), padding=(ph, pw), output_padding=pad_out,
                               dilation=(dh, dw))
+
+
+def avg_pool(h: Tensor, layer: AvgPool2d | AvgPool1d) -> Tensor:
+    if isinstance(layer, AvgPool1d):
+        return F.avg_pool1d(h, layer.kernel, layer.stride)
+    return F.avg_pool2d(h, layer.kernel, layer.stride)
+
+
+def avg_unpool(d: Tensor, layer: AvgPool2d | AvgPool1d, in_shape: tuple[int, ...]) -> Tensor:
+    """Input gradient [B, *in_shape] of an average pool from its output gradient ``d``."""
+    (kh, kw), (sh, sw) = pool_geometry(layer)
+    h, w = (1, in_shape[1]) if isinstance(layer, AvgPool1d) else in_shape[1:]
+    ho, wo = (h - kh) // sh + 1, (w - kw) // sw + 1
+    ones = torch.full((1, 1, kh, kw), 1.0 / (kh * kw), dtype=d.dtype)
+    g = F.conv_transpose2d(d.reshape(-1, 1, ho, wo), ones, stride=(sh, sw),
+                           output_padding=(h - kh - (ho - 1) * sh, w - kw - (wo - 1) * sw))
+    return g.reshape(-1, *in_shape)
 
 
 def activation(layer: Any, h: Tensor) -> tuple[Tensor, Tensor]:
@@ -195,6 +219,12 @@ class PerSampleGrad(nn.Module):
             elif isinstance(layer, MaxPool2d):
                 h, winners = _pool_masks(h)
                 cache.append({"winners": winners})
+            elif isinstance(layer, AvgPool2d | AvgPool1d):
+                cache.append({"shape": tuple(h.shape[1:])})
+                h = avg_pool(h, layer)
+            elif isinstance(layer, GlobalAvgPool):
+                cache.append({"shape": tuple(h.shape[1:])})
+                h = h.mean(dim=tuple(range(2, 2 + layer.dims)), keepdim=True)
             elif isinstance(layer, Relu):
                 cache.append({"mask": (h > 0).to(h.dtype)})
                 h = torch.relu(h)
@@ -242,6 +272,11 @@ class PerSampleGrad(nn.Module):
                     d = F.conv_transpose2d(d, c["w"])
             elif isinstance(layer, MaxPool2d):
                 d = _unpool(d, c["winners"])
+            elif isinstance(layer, AvgPool2d | AvgPool1d):
+                d = avg_unpool(d, layer, c["shape"])
+            elif isinstance(layer, GlobalAvgPool):
+                n = math.prod(c["shape"][1:])
+                d = (d * (1.0 / n)).expand(-1, *c["shape"])
             elif isinstance(layer, ACTIVATIONS):
                 d = d * c["mask"]
             elif isinstance(layer, Flatten):
@@ -296,6 +331,10 @@ class Logits(nn.Module):
                 h = F.max_pool2d(h, 2)
             elif isinstance(layer, Relu):
                 h = torch.relu(h)
+            elif isinstance(layer, AvgPool2d | AvgPool1d):
+                h = avg_pool(h, layer)
+            elif isinstance(layer, GlobalAvgPool):
+                h = h.mean(dim=tuple(range(2, 2 + layer.dims)), keepdim=True)
             elif isinstance(layer, ACTIVATIONS):
                 h = activation(layer, h)[0]
             elif isinstance(layer, Flatten):

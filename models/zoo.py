@@ -13,10 +13,13 @@ import torch
 from torch import nn
 
 from edge_sdk.model import (
+    AvgPool1d,
+    AvgPool2d,
     Conv1d,
     Conv2d,
     Flatten,
     Gelu,
+    GlobalAvgPool,
     Hardswish,
     LeakyRelu,
     Linear,
@@ -46,6 +49,12 @@ def build_module(spec: ModelSpec, params: Sequence[np.ndarray] | None = None) ->
             mods.append(nn.ReLU())
         elif isinstance(layer, Flatten):
             mods.append(nn.Flatten())
+        elif isinstance(layer, AvgPool2d):
+            mods.append(nn.AvgPool2d(layer.kernel, layer.stride))
+        elif isinstance(layer, AvgPool1d):
+            mods.append(nn.AvgPool1d(layer.kernel, layer.stride))
+        elif isinstance(layer, GlobalAvgPool):
+            mods.append(nn.AdaptiveAvgPool2d(1) if layer.dims == 2 else nn.AdaptiveAvgPool1d(1))
         elif isinstance(layer, Tanh):
             mods.append(nn.Tanh())
         elif isinstance(layer, Sigmoid):
@@ -78,9 +87,22 @@ def load_params(module: nn.Module, params: Sequence[np.ndarray]) -> None:
 
 _SUPPORTED = (
     "Linear, Conv2d/Conv1d (with bias; square kernel, same stride, numeric zero padding and "
-    "dilation on both axes; no groups), MaxPool2d(2), ReLU, Tanh, Sigmoid, GELU, LeakyReLU, "
+    "dilation on both axes; no groups), MaxPool2d(2), AvgPool2d/AvgPool1d (square, no padding, "
+    "floor mode), AdaptiveAvgPool2d(1)/AdaptiveAvgPool1d(1), ReLU, Tanh, Sigmoid, GELU, LeakyReLU, "
     "Hardswish, Flatten"
 )
+
+def _one(value: int | tuple[int, ...]) -> int:
+    """The single value of an int or an all-equal tuple (callers check equality first)."""
+    return int(value) if isinstance(value, int) else int(value[0])
+
+
+def _pool_plain(mod: nn.Module) -> bool:
+    """An average pool the spec can say: square, no padding, floor mode, no divisor."""
+    same = all(isinstance(v, int) or len(set(v)) == 1 for v in (mod.kernel_size, mod.stride))
+    return (same and _one(mod.padding) == 0 and len(set(np.atleast_1d(mod.padding).tolist())) == 1
+            and not mod.ceil_mode and getattr(mod, "divisor_override", None) is None)
+
 
 _DROPOUT_REASON = (
     "Dropout is not exported: the per-sample gradient graphs take no dropout-mask input, and a "
@@ -119,6 +141,12 @@ def spec_from_module(
             layers.append(Relu())
         elif isinstance(mod, nn.Flatten):
             layers.append(Flatten())
+        elif (isinstance(mod, nn.AvgPool2d | nn.AvgPool1d) and _pool_plain(mod)):
+            cls = AvgPool2d if isinstance(mod, nn.AvgPool2d) else AvgPool1d
+            layers.append(cls(kernel=_one(mod.kernel_size), stride=_one(mod.stride)))
+        elif (isinstance(mod, nn.AdaptiveAvgPool2d | nn.AdaptiveAvgPool1d)
+              and set(np.atleast_1d(mod.output_size).tolist()) == {1}):
+            layers.append(GlobalAvgPool(dims=2 if isinstance(mod, nn.AdaptiveAvgPool2d) else 1))
         elif isinstance(mod, nn.Tanh):
             layers.append(Tanh())
         elif isinstance(mod, nn.Sigmoid):

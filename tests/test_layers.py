@@ -339,3 +339,92 @@ def test_conv_modules_export_and_the_rest_is_named() -> None:
     with pytest.raises(ValueError, match=r"kernel 5 \(dilation 2, padding 0\) larger"):
         ModelSpec(name="x", input_shape=(1, 8), num_classes=2, layers=(
             Conv1d(in_channels=1, out_channels=2, kernel=5, dilation=2),))
+
+
+# --- 3. average pooling and global average pooling ------------------------------------------
+
+def _pool_spec(dims: int, c: tuple[int, int, int], spatial: tuple[int, ...], pool_k: int,
+               pool_s: int, k2: int, global_pool: bool, act, classes: int) -> ModelSpec | None:
+    """conv -> act -> avgpool -> conv -> (global avg pool) -> flatten -> linear, or None if
+    the shapes do not fit."""
+    from edge_sdk.model import (
+        AvgPool1d,
+        AvgPool2d,
+        Conv1d,
+        Conv2d,
+        GlobalAvgPool,
+        _out_shape,
+    )
+
+    conv, pool = (Conv2d, AvgPool2d) if dims == 2 else (Conv1d, AvgPool1d)
+    layers = [conv(in_channels=c[0], out_channels=c[1], kernel=2, padding=1), act,
+              pool(kernel=pool_k, stride=pool_s),
+              conv(in_channels=c[1], out_channels=c[2], kernel=k2)]
+    if global_pool:
+        layers.append(GlobalAvgPool(dims=dims))
+    shape = (c[0], *spatial)
+    try:
+        for i, layer in enumerate(layers):
+            shape = _out_shape(layer, shape, i)
+    except ValueError:
+        return None
+    layers += [Flatten(), Linear(in_features=int(np.prod(shape)), out_features=classes)]
+    return ModelSpec(name="pool", input_shape=(c[0], *spatial), num_classes=classes,
+                     layers=tuple(layers))
+
+
+@HYPO
+@given(dims=st.sampled_from([1, 2]),
+       c=st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 3)),
+       spatial=st.tuples(st.integers(1, 12), st.integers(1, 12)), pool_k=st.integers(1, 3),
+       pool_s=st.integers(1, 3), k2=st.integers(1, 2), global_pool=st.booleans(), act=ACTS,
+       b=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_average_pooling_matches_torch_func(dims, c, spatial, pool_k, pool_s, k2, global_pool,
+                                            act, b, seed) -> None:
+    from hypothesis import assume
+
+    spec = _pool_spec(dims, c, spatial[:dims], pool_k, pool_s, k2, global_pool, act, 3)
+    assume(spec is not None)
+    check_against_torch_func(spec, both(spec), b=b, seed=seed)
+
+
+POOL_MODELS = {
+    "avgpool2d": _pool_spec(2, (2, 4, 3), (11, 9), 3, 2, 2, True, Tanh(), 4),
+    "avgpool1d": _pool_spec(1, (3, 4, 4), (19,), 2, 3, 1, True, Hardswish(), 3),
+}
+
+
+@pytest.mark.parametrize("which", sorted(POOL_MODELS))
+@pytest.mark.parametrize("b", [1, 9])
+def test_pool_models_onnx_graph_matches_torch_func(exported, which: str, b: int) -> None:
+    spec = POOL_MODELS[which]
+    check_against_torch_func(spec, (exported(spec),), b=b, seed=b)
+
+
+@pytest.mark.parametrize("which", sorted(POOL_MODELS))
+def test_pool_models_step_matches_opacus(exported, which: str, monkeypatch) -> None:
+    check_opacus_step(POOL_MODELS[which], exported(POOL_MODELS[which]), monkeypatch)
+
+
+def test_pool_modules_export_and_the_rest_is_named() -> None:
+    from torch import nn
+
+    from edge_sdk.model import AvgPool1d, AvgPool2d, GlobalAvgPool
+
+    module = nn.Sequential(nn.Conv1d(3, 4, 3), nn.ReLU(), nn.AvgPool1d(2), nn.Conv1d(4, 4, 3),
+                           nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(4, 2))
+    spec = spec_from_module(module, (3, 20), 2)
+    assert spec.layers[2] == AvgPool1d(kernel=2, stride=2)
+    assert spec.layers[4] == GlobalAvgPool(dims=1)
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+    image = nn.Sequential(nn.Conv2d(1, 2, 3), nn.AvgPool2d(3, stride=2),
+                          nn.AdaptiveAvgPool2d((1, 1)), nn.Flatten(), nn.Linear(2, 3))
+    spec = spec_from_module(image, (1, 12, 12), 3)
+    assert spec.layers[1:3] == (AvgPool2d(kernel=3, stride=2), GlobalAvgPool(dims=2))
+    for bad in (nn.AvgPool2d(2, padding=1), nn.AvgPool2d(2, ceil_mode=True),
+                nn.AvgPool2d((2, 3)), nn.AvgPool2d(2, divisor_override=3),
+                nn.AdaptiveAvgPool2d(2)):
+        with pytest.raises(UnsupportedLayer, match=r"layer 0 \((Adaptive)?AvgPool2d"):
+            spec_from_module(nn.Sequential(bad), (1, 8, 8), 3)
+    with pytest.raises(ValueError, match=r"dims=2\) expects a rank-3"):
+        ModelSpec(name="x", input_shape=(2, 8), num_classes=2, layers=(GlobalAvgPool(),))
