@@ -35,7 +35,9 @@ from edge_sdk.model import (
     Flatten,
     Gelu,
     GlobalAvgPool,
+    GroupNorm,
     Hardswish,
+    LayerNorm,
     LeakyRelu,
     Linear,
     MaxPool2d,
@@ -333,6 +335,45 @@ def _avg_unpool(d: np.ndarray, layer: AvgPool2d | AvgPool1d,
     return out[:, :, 0, :] if isinstance(layer, AvgPool1d) else out
 
 
+def _norm_forward(h: np.ndarray, w: np.ndarray, b: np.ndarray,
+                  layer: LayerNorm | GroupNorm) -> tuple[np.ndarray, tuple]:
+    """Output of a LayerNorm/GroupNorm (statistics per sample) and its backward cache."""
+    in_shape = h.shape[1:]
+    if isinstance(layer, LayerNorm):
+        group = math.prod(layer.normalized_shape)
+        bshape: tuple[int, ...] = layer.normalized_shape
+        axes = tuple(range(1, 1 + len(in_shape) - len(bshape)))
+    else:
+        group = math.prod(in_shape) // layer.num_groups
+        bshape = (layer.num_channels, *([1] * (len(in_shape) - 1)))
+        axes = tuple(range(2, 1 + len(in_shape)))
+    hg = h.reshape(h.shape[0], -1, group)
+    xc = hg - hg.mean(axis=2, keepdims=True, dtype=np.float32)
+    var = (xc * xc).mean(axis=2, keepdims=True, dtype=np.float32)
+    rstd = (1.0 / np.sqrt(var + np.float32(layer.eps))).astype(np.float32)
+    xhat = (xc * rstd).reshape(h.shape)
+    out = xhat * w.reshape(bshape) + b.reshape(bshape)
+    return out, (xhat, rstd, w.reshape(bshape), group, axes)
+
+
+def _norm_backward(d: np.ndarray, cache: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sample (weight, bias) gradients [B, *param shape] of a LayerNorm/GroupNorm."""
+    xhat, _, _, _, axes = cache
+    gw, gb = d * xhat, d
+    if axes:
+        gw, gb = gw.sum(axis=axes), gb.sum(axis=axes)
+    return gw, gb
+
+
+def _norm_input_grad(d: np.ndarray, cache: tuple) -> np.ndarray:
+    xhat, rstd, w, group, _ = cache
+    g = (d * w).reshape(d.shape[0], -1, group)
+    xg = xhat.reshape(g.shape)
+    dx = rstd * (g - g.mean(axis=2, keepdims=True)
+                 - xg * (g * xg).mean(axis=2, keepdims=True))
+    return dx.reshape(d.shape)
+
+
 def _pool(h: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     parts = [h[:, :, 0::2, 0::2], h[:, :, 0::2, 1::2], h[:, :, 1::2, 0::2], h[:, :, 1::2, 1::2]]
     m = np.maximum(np.maximum(parts[0], parts[1]), np.maximum(parts[2], parts[3]))
@@ -389,6 +430,10 @@ class NumpyEngine:
             elif isinstance(layer, MaxPool2d):
                 h, masks = _pool(h)
                 cache.append(masks)
+            elif isinstance(layer, LayerNorm | GroupNorm):
+                h, saved = _norm_forward(h, params[pi], params[pi + 1], layer)
+                cache.append((saved, pi))
+                pi += 2
             elif isinstance(layer, AvgPool2d | AvgPool1d):
                 cache.append(h.shape[1:])
                 h = _avg_pool(h, layer)
@@ -456,6 +501,17 @@ class NumpyEngine:
                     d = self._col2im(dcols, in_shape, layer.kernel)
             elif isinstance(layer, MaxPool2d):
                 d = _unpool(d, c)
+            elif isinstance(layer, LayerNorm | GroupNorm):
+                saved, pi = c
+                gw, gb = _norm_backward(d, saved)
+                if masks is not None:
+                    gw, gb = gw * masks[pi], gb * masks[pi + 1]
+                sq += (np.einsum("bi,bi->b", gw.reshape(len(y), -1), gw.reshape(len(y), -1))
+                       + np.einsum("bi,bi->b", gb.reshape(len(y), -1), gb.reshape(len(y), -1)))
+                pieces[pi] = ("norm", gw, gb)
+                if pi == 0:
+                    break
+                d = _norm_input_grad(d, saved)
             elif isinstance(layer, AvgPool2d | AvgPool1d):
                 d = _avg_unpool(d, layer, c)
             elif isinstance(layer, GlobalAvgPool):
@@ -503,6 +559,8 @@ class NumpyEngine:
             if kind == "linear":
                 ds = p1 * scale[:, None]
                 pair = [ds.T @ p2, ds.sum(axis=0)]
+            elif kind == "norm":
+                pair = [np.tensordot(scale, p1, axes=1), np.tensordot(scale, p2, axes=1)]
             else:
                 pair = [np.einsum("b,boi->oi", scale, p1).reshape(shape), scale @ p2]
             if ms is not None:
@@ -529,6 +587,8 @@ class NumpyEngine:
             kind, p1, p2 = pieces[pi]
             if kind == "linear":
                 cols += [np.einsum("bo,bi->boi", p1, p2).reshape(len(y), -1), p1]
+            elif kind == "norm":
+                cols += [p1.reshape(len(y), -1), p2.reshape(len(y), -1)]
             else:
                 cols += [p1.reshape(len(y), -1), p2]
         return np.concatenate(cols, axis=1), losses

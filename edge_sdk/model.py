@@ -25,8 +25,11 @@ __all__ = [
     "Flatten",
     "Gelu",
     "GlobalAvgPool",
+    "GroupNorm",
+    "LayerNorm",
     "Hardswish",
     "LeakyRelu",
+    "BATCHNORM_REASON",
     "Linear",
     "MaxPool2d",
     "ModelSpec",
@@ -175,6 +178,62 @@ class GlobalAvgPool:
             raise ValueError(f"GlobalAvgPool dims must be 1 or 2, got {self.dims!r}")
 
 
+BATCHNORM_REASON = (
+    "BatchNorm is refused: it normalises each sample with statistics of the whole batch, so "
+    "one sample's output and gradient depend on the other samples; per-sample gradients are "
+    "then not defined and DP-SGD's clipping no longer bounds one sample's influence (the "
+    "privacy guarantee fails). Use GroupNorm (statistics per sample over channel groups; "
+    "GroupNorm(1, C) normalises each sample over all channels) or LayerNorm instead"
+)
+
+
+def _check_eps(layer: Any) -> None:
+    if not (isinstance(layer.eps, int | float) and math.isfinite(layer.eps) and layer.eps > 0):
+        raise ValueError(f"{type(layer).__name__} eps must be a finite float > 0, "
+                         f"got {layer.eps!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerNorm:
+    """torch's nn.LayerNorm(normalized_shape, eps) with its affine weight and bias (both
+    shaped ``normalized_shape``): each sample normalised over its last len(normalized_shape)
+    axes, statistics per sample, so per-sample gradients are well defined."""
+
+    normalized_shape: tuple[int, ...]
+    eps: float = 1e-5
+    kind: str = field(default="layernorm", init=False)
+
+    def __post_init__(self) -> None:
+        shape = self.normalized_shape
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if not shape or not all(isinstance(v, int) and v >= 1 for v in shape):
+            raise ValueError(f"LayerNorm normalized_shape must be ints >= 1, got {shape!r}")
+        object.__setattr__(self, "normalized_shape", shape)  # JSON gives lists
+        _check_eps(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupNorm:
+    """torch's nn.GroupNorm(num_groups, num_channels, eps) with its per-channel affine weight
+    and bias: each sample's channels split into groups, each normalised over its channels and
+    positions, statistics per sample."""
+
+    num_groups: int
+    num_channels: int
+    eps: float = 1e-5
+    kind: str = field(default="groupnorm", init=False)
+
+    def __post_init__(self) -> None:
+        g, c = self.num_groups, self.num_channels
+        if not (isinstance(g, int) and isinstance(c, int) and g >= 1 and c >= 1 and c % g == 0):
+            raise ValueError(f"GroupNorm needs ints num_groups >= 1 dividing num_channels, "
+                             f"got num_groups={g!r}, num_channels={c!r}")
+        _check_eps(self)
+
+
+NORMS = (LayerNorm, GroupNorm)
+
+
 def pool_geometry(layer: AvgPool2d | AvgPool1d) -> tuple[tuple[int, int], tuple[int, int]]:
     """((kh, kw), (sh, sw)) of an average pool seen as 2-D (AvgPool1d: height 1)."""
     k, st = layer.kernel, int(layer.stride or layer.kernel)
@@ -241,7 +300,7 @@ class Hardswish:
 
 
 Layer = (Linear | Conv2d | Conv1d | MaxPool2d | AvgPool2d | AvgPool1d | GlobalAvgPool | Relu
-         | Flatten | Tanh | Sigmoid | Gelu | LeakyRelu | Hardswish)
+         | Flatten | Tanh | Sigmoid | Gelu | LeakyRelu | Hardswish | LayerNorm | GroupNorm)
 # Element-wise activations: no parameters, shape kept, gradient = upstream * f'(pre-activation).
 ACTIVATIONS = (Relu, Tanh, Sigmoid, Gelu, LeakyRelu, Hardswish)
 _LAYER_TYPES: dict[str, type] = {
@@ -259,6 +318,8 @@ _LAYER_TYPES: dict[str, type] = {
     "gelu": Gelu,
     "leakyrelu": LeakyRelu,
     "hardswish": Hardswish,
+    "layernorm": LayerNorm,
+    "groupnorm": GroupNorm,
 }
 
 
@@ -298,6 +359,12 @@ class ModelSpec:
                 k = layer.kernel
                 out.append((f"l{i}.weight", (layer.out_channels, layer.in_channels, k)))
                 out.append((f"l{i}.bias", (layer.out_channels,)))
+            elif isinstance(layer, LayerNorm):
+                out.append((f"l{i}.weight", layer.normalized_shape))
+                out.append((f"l{i}.bias", layer.normalized_shape))
+            elif isinstance(layer, GroupNorm):
+                out.append((f"l{i}.weight", (layer.num_channels,)))
+                out.append((f"l{i}.bias", (layer.num_channels,)))
         return out
 
     @property
@@ -322,6 +389,8 @@ class ModelSpec:
         for entry in data["layers"]:
             entry = dict(entry)
             kind = entry.pop("kind")
+            if str(kind).lower().startswith("batchnorm"):
+                raise UnsupportedLayer(f"layer kind {kind!r}: {BATCHNORM_REASON}")
             if kind not in _LAYER_TYPES:
                 raise UnsupportedLayer(
                     f"layer kind {kind!r} is not supported; expected one of {sorted(_LAYER_TYPES)}"
@@ -374,6 +443,19 @@ def _out_shape(layer: Layer, shape: tuple[int, ...], index: int) -> tuple[int, .
             raise ValueError(f"{where} (dims={layer.dims}) expects a rank-{layer.dims + 1} "
                              f"input (C, ...), got {shape}")
         return (shape[0], *([1] * layer.dims))
+    if isinstance(layer, LayerNorm):
+        n = len(layer.normalized_shape)
+        if shape[len(shape) - n :] != layer.normalized_shape:
+            raise ValueError(f"{where} expects input ending in {layer.normalized_shape}, "
+                             f"got {shape}")
+        return shape
+    if isinstance(layer, GroupNorm):
+        if not shape or shape[0] != layer.num_channels:
+            raise ValueError(f"{where} expects input ({layer.num_channels}, ...), got {shape}")
+        if math.prod(shape) // layer.num_groups < 2:
+            # a group of one value normalises to 0 whatever it is (torch refuses it too)
+            raise ValueError(f"{where}: groups of one value on input {shape}; use fewer groups")
+        return shape
     if isinstance(layer, ACTIVATIONS):
         return shape
     if isinstance(layer, Flatten):
@@ -465,6 +547,18 @@ def build_spec(arch: str, input_shape: Sequence[int], num_classes: int) -> Model
     return ZOO[arch](input_shape, num_classes)
 
 
+def _norm_param_indices(spec: ModelSpec) -> dict[int, bool]:
+    """Graph-order indices of normalisation parameters -> True for a weight, False a bias."""
+    out: dict[int, bool] = {}
+    pi = 0
+    for layer in spec.layers:
+        if isinstance(layer, NORMS):
+            out[pi], out[pi + 1] = True, False
+        if isinstance(layer, Linear | Conv2d | Conv1d | LayerNorm | GroupNorm):
+            pi += 2
+    return out
+
+
 def init_params(spec: ModelSpec, rng: np.random.Generator) -> list[np.ndarray]:
     """Initial float32 parameters: He-uniform for layers that feed a ReLU, LeCun-uniform
     for the output layer, zero biases.
@@ -475,9 +569,14 @@ def init_params(spec: ModelSpec, rng: np.random.Generator) -> list[np.ndarray]:
     in the issue-2 setting).
     """
     shapes = spec.param_shapes()
-    last_weight = max(i for i, (_, s) in enumerate(shapes) if len(s) > 1)
+    norm = _norm_param_indices(spec)  # weight 1, bias 0: the identity affine map (torch)
+    last_weight = max((i for i, (_, s) in enumerate(shapes) if len(s) > 1 and i not in norm),
+                      default=-1)
     params = []
     for i, (_, shape) in enumerate(shapes):
+        if i in norm:
+            params.append(np.full(shape, 1.0 if norm[i] else 0.0, dtype=np.float32))
+            continue
         if len(shape) == 1:
             params.append(np.zeros(shape, dtype=np.float32))
             continue

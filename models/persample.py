@@ -18,6 +18,10 @@ out layer by layer for the supported set, with the weights as graph inputs:
 * AvgPool2d/AvgPool1d (no padding): the output gradient spread evenly over each window, a
   transposed conv of the per-channel map with a constant 1/(kh*kw) kernel; GlobalAvgPool:
   the output gradient / (number of positions), broadcast.
+* LayerNorm / GroupNorm (affine): statistics per sample, so the per-sample weight and bias
+  gradients are sums of d * xhat and d over the positions sharing a parameter; the input
+  gradient is rstd * (g - mean(g) - xhat * mean(g * xhat)) per normalisation group, with
+  g = d * weight. BatchNorm is refused (edge_sdk.model.BATCHNORM_REASON).
 * Relu: gradient where the pre-activation is > 0 (torch's rule at 0).
 * Tanh, Sigmoid, GELU (erf or tanh form), LeakyReLU, Hardswish: the upstream gradient times
   f'(pre-activation), f' written out as torch's autograd computes it (see ``activation``).
@@ -51,7 +55,9 @@ from edge_sdk.model import (
     Flatten,
     Gelu,
     GlobalAvgPool,
+    GroupNorm,
     Hardswish,
+    LayerNorm,
     LeakyRelu,
     Linear,
     MaxPool2d,
@@ -125,6 +131,48 @@ def avg_unpool(d: Tensor, layer: AvgPool2d | AvgPool1d, in_shape: tuple[int, ...
     g = F.conv_transpose2d(d.reshape(-1, 1, ho, wo), ones, stride=(sh, sw),
                            output_padding=(h - kh - (ho - 1) * sh, w - kw - (wo - 1) * sw))
     return g.reshape(-1, *in_shape)
+
+
+def norm_forward(h: Tensor, w: Tensor, b: Tensor,
+                 layer: LayerNorm | GroupNorm) -> tuple[Tensor, dict[str, Any]]:
+    """Output of a LayerNorm/GroupNorm and what its backward needs."""
+    in_shape = tuple(h.shape[1:])
+    if isinstance(layer, LayerNorm):
+        group = math.prod(layer.normalized_shape)
+        bshape: tuple[int, ...] = layer.normalized_shape
+    else:
+        group = math.prod(in_shape) // layer.num_groups
+        bshape = (layer.num_channels, *([1] * (len(in_shape) - 1)))
+    hg = h.reshape(-1, math.prod(in_shape) // group, group)
+    xc = hg - hg.mean(dim=2, keepdim=True)
+    rstd = torch.rsqrt((xc * xc).mean(dim=2, keepdim=True) + layer.eps)
+    xhat = (xc * rstd).reshape(-1, *in_shape)
+    out = xhat * w.reshape(bshape) + b.reshape(bshape)
+    return out, {"xhat": xhat, "rstd": rstd, "w": w.reshape(bshape), "group": group,
+                 "in_shape": in_shape}
+
+
+def norm_backward(d: Tensor, c: dict[str, Any],
+                  layer: LayerNorm | GroupNorm) -> tuple[Tensor, Tensor]:
+    """Per-sample (weight, bias) gradients [B, *param shape] of a LayerNorm/GroupNorm."""
+    xhat, rank = c["xhat"], len(c["in_shape"])
+    if isinstance(layer, LayerNorm):
+        axes = tuple(range(1, 1 + rank - len(layer.normalized_shape)))
+    else:
+        axes = tuple(range(2, 1 + rank))
+    gw, gb = d * xhat, d
+    if axes:
+        gw, gb = gw.sum(dim=axes), gb.sum(dim=axes)
+    return gw, gb
+
+
+def norm_input_grad(d: Tensor, c: dict[str, Any]) -> Tensor:
+    group = c["group"]
+    g = (d * c["w"]).reshape(-1, math.prod(c["in_shape"]) // group, group)
+    xg = c["xhat"].reshape(g.shape)
+    dx = c["rstd"] * (g - g.mean(dim=2, keepdim=True)
+                      - xg * (g * xg).mean(dim=2, keepdim=True))
+    return dx.reshape(-1, *c["in_shape"])
 
 
 def activation(layer: Any, h: Tensor) -> tuple[Tensor, Tensor]:
@@ -219,6 +267,10 @@ class PerSampleGrad(nn.Module):
             elif isinstance(layer, MaxPool2d):
                 h, winners = _pool_masks(h)
                 cache.append({"winners": winners})
+            elif isinstance(layer, LayerNorm | GroupNorm):
+                h, saved_norm = norm_forward(h, params[pi], params[pi + 1], layer)
+                cache.append({**saved_norm, "pi": pi})
+                pi += 2
             elif isinstance(layer, AvgPool2d | AvgPool1d):
                 cache.append({"shape": tuple(h.shape[1:])})
                 h = avg_pool(h, layer)
@@ -272,6 +324,15 @@ class PerSampleGrad(nn.Module):
                     d = F.conv_transpose2d(d, c["w"])
             elif isinstance(layer, MaxPool2d):
                 d = _unpool(d, c["winners"])
+            elif isinstance(layer, LayerNorm | GroupNorm):
+                gw, gb = norm_backward(d, c, layer)
+                if masks is not None:
+                    gw, gb = gw * masks[c["pi"]], gb * masks[c["pi"] + 1]
+                sq = sq + (gw * gw).flatten(1).sum(dim=1) + (gb * gb).flatten(1).sum(dim=1)
+                saved.append(("norm", (c["pi"], gw, gb)))
+                if c["pi"] == 0:
+                    break
+                d = norm_input_grad(d, c)
             elif isinstance(layer, AvgPool2d | AvgPool1d):
                 d = avg_unpool(d, layer, c["shape"])
             elif isinstance(layer, GlobalAvgPool):
@@ -294,6 +355,11 @@ class PerSampleGrad(nn.Module):
                 if masks is not None:
                     grads[pi] = grads[pi] * masks[pi]
                     grads[pi + 1] = grads[pi + 1] * masks[pi + 1]
+            elif kind == "norm":
+                pi, gw, gb = payload
+                shape = self.spec.param_shapes()[pi][1]
+                grads[pi] = (gw * scale.reshape(-1, *([1] * len(shape)))).sum(dim=0)
+                grads[pi + 1] = (gb * scale.reshape(-1, *([1] * len(shape)))).sum(dim=0)
             else:
                 pi, gw, gb = payload
                 w_shape = self.spec.param_shapes()[pi][1]
@@ -331,6 +397,9 @@ class Logits(nn.Module):
                 h = F.max_pool2d(h, 2)
             elif isinstance(layer, Relu):
                 h = torch.relu(h)
+            elif isinstance(layer, LayerNorm | GroupNorm):
+                h = norm_forward(h, params[pi], params[pi + 1], layer)[0]
+                pi += 2
             elif isinstance(layer, AvgPool2d | AvgPool1d):
                 h = avg_pool(h, layer)
             elif isinstance(layer, GlobalAvgPool):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from edge_sdk.model import (
+    BATCHNORM_REASON,
     AvgPool1d,
     AvgPool2d,
     Conv1d,
@@ -20,7 +21,9 @@ from edge_sdk.model import (
     Flatten,
     Gelu,
     GlobalAvgPool,
+    GroupNorm,
     Hardswish,
+    LayerNorm,
     LeakyRelu,
     Linear,
     MaxPool2d,
@@ -55,6 +58,10 @@ def build_module(spec: ModelSpec, params: Sequence[np.ndarray] | None = None) ->
             mods.append(nn.AvgPool1d(layer.kernel, layer.stride))
         elif isinstance(layer, GlobalAvgPool):
             mods.append(nn.AdaptiveAvgPool2d(1) if layer.dims == 2 else nn.AdaptiveAvgPool1d(1))
+        elif isinstance(layer, LayerNorm):
+            mods.append(nn.LayerNorm(layer.normalized_shape, eps=layer.eps))
+        elif isinstance(layer, GroupNorm):
+            mods.append(nn.GroupNorm(layer.num_groups, layer.num_channels, eps=layer.eps))
         elif isinstance(layer, Tanh):
             mods.append(nn.Tanh())
         elif isinstance(layer, Sigmoid):
@@ -89,7 +96,7 @@ _SUPPORTED = (
     "Linear, Conv2d/Conv1d (with bias; square kernel, same stride, numeric zero padding and "
     "dilation on both axes; no groups), MaxPool2d(2), AvgPool2d/AvgPool1d (square, no padding, "
     "floor mode), AdaptiveAvgPool2d(1)/AdaptiveAvgPool1d(1), ReLU, Tanh, Sigmoid, GELU, LeakyReLU, "
-    "Hardswish, Flatten"
+    "Hardswish, LayerNorm/GroupNorm (affine, with bias), Flatten"
 )
 
 def _one(value: int | tuple[int, ...]) -> int:
@@ -147,6 +154,15 @@ def spec_from_module(
         elif (isinstance(mod, nn.AdaptiveAvgPool2d | nn.AdaptiveAvgPool1d)
               and set(np.atleast_1d(mod.output_size).tolist()) == {1}):
             layers.append(GlobalAvgPool(dims=2 if isinstance(mod, nn.AdaptiveAvgPool2d) else 1))
+        elif (isinstance(mod, nn.LayerNorm) and mod.elementwise_affine
+              and mod.bias is not None):
+            layers.append(LayerNorm(normalized_shape=tuple(mod.normalized_shape),
+                                    eps=float(mod.eps)))
+        elif isinstance(mod, nn.GroupNorm) and mod.affine:
+            layers.append(GroupNorm(num_groups=mod.num_groups, num_channels=mod.num_channels,
+                                    eps=float(mod.eps)))
+        elif isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            raise UnsupportedLayer(f"layer {i} ({kind}: {mod}): {BATCHNORM_REASON}")
         elif isinstance(mod, nn.Tanh):
             layers.append(Tanh())
         elif isinstance(mod, nn.Sigmoid):

@@ -428,3 +428,116 @@ def test_pool_modules_export_and_the_rest_is_named() -> None:
             spec_from_module(nn.Sequential(bad), (1, 8, 8), 3)
     with pytest.raises(ValueError, match=r"dims=2\) expects a rank-3"):
         ModelSpec(name="x", input_shape=(2, 8), num_classes=2, layers=(GlobalAvgPool(),))
+
+
+# --- 4. LayerNorm / GroupNorm; BatchNorm refused --------------------------------------------
+
+def _norm_spec(variant: str, groups: int, per_group: int, size: int, first: bool, act,
+               classes: int) -> ModelSpec:
+    """A norm layer between parameter layers (or first, when ``first``), over the shapes the
+    variant names: 'ln-vec' [F], 'ln-seq' [C, L] over (C, L), 'ln-last' [C, L] over (L,),
+    'gn-img' [C, H, W], 'gn-seq' [C, L], 'gn-vec' [C]."""
+    from edge_sdk.model import Conv1d, Conv2d, GroupNorm, LayerNorm
+
+    c = groups * per_group
+    if variant == "ln-vec":
+        body, shape, norm = [Linear(in_features=3, out_features=c)], (3,), LayerNorm(
+            normalized_shape=(c,))
+        out = (c,)
+    elif variant in ("ln-seq", "ln-last", "gn-seq"):
+        body, shape = [Conv1d(in_channels=2, out_channels=c, kernel=2)], (2, size + 1)
+        out = (c, size)
+        norm = {"ln-seq": LayerNorm(normalized_shape=out),
+                "ln-last": LayerNorm(normalized_shape=(size,), eps=1e-3),
+                "gn-seq": GroupNorm(num_groups=groups, num_channels=c)}[variant]
+    elif variant == "gn-img":
+        body, shape = [Conv2d(in_channels=2, out_channels=c, kernel=2)], (2, size + 1, size)
+        out, norm = (c, size, size - 1), GroupNorm(num_groups=groups, num_channels=c, eps=1e-4)
+    else:  # gn-vec
+        body, shape, out = [Linear(in_features=3, out_features=c)], (3,), (c,)
+        norm = GroupNorm(num_groups=groups, num_channels=c)
+    if first:
+        body, shape = [], out
+    n = int(np.prod(out))
+    tail = [Flatten()] if len(out) > 1 else []
+    layers = (*body, norm, act, *tail, Linear(in_features=n, out_features=classes))
+    return ModelSpec(name="norm", input_shape=shape, num_classes=classes, layers=layers)
+
+
+NORM_VARIANTS = ["ln-vec", "ln-seq", "ln-last", "gn-img", "gn-seq", "gn-vec"]
+
+
+def _perturbed(spec: ModelSpec, rng: np.random.Generator) -> list[np.ndarray]:
+    """init_params, with the norms' identity affine maps moved off 1 and 0."""
+    return [p + rng.normal(0, 0.3, p.shape).astype(np.float32) for p in init_params(spec, rng)]
+
+
+@HYPO
+@given(variant=st.sampled_from(NORM_VARIANTS), groups=st.integers(1, 3),
+       per_group=st.integers(1, 3), size=st.integers(2, 6), first=st.booleans(), act=ACTS,
+       b=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_norms_match_torch_func(variant, groups, per_group, size, first, act, b, seed) -> None:
+    from hypothesis import assume
+
+    assume(variant != "gn-vec" or per_group > 1)  # groups of one value are refused
+    spec = _norm_spec(variant, groups, per_group, size, first, act, 3)
+    rng = np.random.default_rng(seed)
+    params = _perturbed(spec, rng)
+    x, y = _batch(spec, b, rng)
+    check_against_torch_func(spec, both(spec), b=b, seed=seed, params=params, x=x, y=y)
+
+
+def _norm_models() -> dict[str, ModelSpec]:
+    from edge_sdk.model import Relu
+
+    return {"layernorm": _norm_spec("ln-seq", 2, 2, 6, False, Gelu(), 3),
+            "groupnorm": _norm_spec("gn-img", 2, 2, 5, False, Relu(), 4)}
+
+
+NORM_MODELS = _norm_models()
+
+
+@pytest.mark.parametrize("which", sorted(NORM_MODELS))
+@pytest.mark.parametrize("b", [1, 9])
+def test_norm_models_onnx_graph_matches_torch_func(exported, which: str, b: int) -> None:
+    spec = NORM_MODELS[which]
+    rng = np.random.default_rng(b)
+    params = _perturbed(spec, rng)
+    x, y = _batch(spec, b, rng)
+    check_against_torch_func(spec, (exported(spec),), b=b, seed=b, params=params, x=x, y=y)
+
+
+@pytest.mark.parametrize("which", sorted(NORM_MODELS))
+def test_norm_models_step_matches_opacus(exported, which: str, monkeypatch) -> None:
+    check_opacus_step(NORM_MODELS[which], exported(NORM_MODELS[which]), monkeypatch)
+
+
+def test_norm_modules_export_and_batchnorm_is_refused_with_why_and_what_instead() -> None:
+    from torch import nn
+
+    from edge_sdk.model import GroupNorm, LayerNorm
+
+    module = nn.Sequential(nn.Conv1d(2, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(),
+                           nn.LayerNorm(8, eps=1e-3), nn.Flatten(), nn.Linear(32, 2))
+    spec = spec_from_module(module, (2, 10), 2)
+    assert spec.layers[1] == GroupNorm(num_groups=2, num_channels=4)
+    assert spec.layers[3] == LayerNorm(normalized_shape=(8,), eps=1e-3)
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+    assert [s for _, s in spec.param_shapes()][2:6] == [(4,), (4,), (8,), (8,)]
+    params = init_params(spec, np.random.default_rng(0))
+    assert (params[2] == 1).all() and (params[3] == 0).all() and (params[4] == 1).all()
+    for bad, name in ((nn.BatchNorm1d(4), "BatchNorm1d"), (nn.BatchNorm2d(4), "BatchNorm2d")):
+        with pytest.raises(UnsupportedLayer, match=rf"layer 1 \({name}.*other samples.*"
+                                                  r"Use GroupNorm.*or LayerNorm"):
+            spec_from_module(nn.Sequential(nn.Conv2d(1, 4, 3), bad), (1, 8, 8), 2)
+    data = spec.to_dict()
+    data["layers"][1] = {"kind": "batchnorm2d", "num_features": 4}
+    with pytest.raises(UnsupportedLayer, match="batchnorm2d.*per-sample gradients"):
+        ModelSpec.from_dict(data)
+    for bad in (nn.LayerNorm(8, elementwise_affine=False), nn.GroupNorm(2, 4, affine=False)):
+        with pytest.raises(UnsupportedLayer, match=r"layer 0 \((Layer|Group)Norm"):
+            spec_from_module(nn.Sequential(bad), (4, 8), 2)
+    with pytest.raises(ValueError, match="groups of one value"):
+        _norm_spec("gn-vec", 3, 1, 2, False, Tanh(), 2)
+    with pytest.raises(ValueError, match="num_groups >= 1 dividing num_channels"):
+        GroupNorm(num_groups=3, num_channels=4)
