@@ -367,6 +367,14 @@ class ModelSpec:
                 out.append((f"l{i}.bias", (layer.num_channels,)))
         return out
 
+    def layer_shapes(self) -> list[tuple[int, ...]]:
+        """Each layer's per-sample output shape, in order."""
+        shapes, shape = [], tuple(self.input_shape)
+        for i, layer in enumerate(self.layers):
+            shape = _out_shape(layer, shape, i)
+            shapes.append(shape)
+        return shapes
+
     @property
     def num_params(self) -> int:
         return sum(math.prod(s) for _, s in self.param_shapes())
