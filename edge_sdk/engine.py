@@ -243,7 +243,7 @@ def _erf(x: np.ndarray) -> np.ndarray:
 _ERF = np.frompyfunc(math.erf, 1, 1)
 
 
-def activation(layer: Any, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _activation(layer: Any, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(f(h), f'(h)) of an element-wise activation other than Relu, the formulas of
     ``models.persample.activation`` (torch's, including its choices at the kinks)."""
     if isinstance(layer, Tanh):
@@ -444,7 +444,7 @@ class NumpyEngine:
                 cache.append(h > 0)
                 h = np.maximum(h, 0)
             elif isinstance(layer, ACTIVATIONS):
-                h, deriv = activation(layer, h)
+                h, deriv = _activation(layer, h)
                 h = h.astype(np.float32, copy=False)
                 cache.append(deriv.astype(np.float32, copy=False))
             elif isinstance(layer, Flatten):

@@ -18,6 +18,11 @@ import numpy as np
 from edge_sdk.errors import EdgeError
 
 __all__ = [
+    "ACTIVATIONS",
+    "BATCHNORM_REASON",
+    "DROPOUT_REASON",
+    "NORMS",
+    "ZOO",
     "AvgPool1d",
     "AvgPool2d",
     "Conv1d",
@@ -26,10 +31,9 @@ __all__ = [
     "Gelu",
     "GlobalAvgPool",
     "GroupNorm",
-    "LayerNorm",
     "Hardswish",
+    "LayerNorm",
     "LeakyRelu",
-    "BATCHNORM_REASON",
     "Linear",
     "MaxPool2d",
     "ModelSpec",
@@ -37,15 +41,15 @@ __all__ = [
     "Sigmoid",
     "Tanh",
     "UnsupportedLayer",
-    "ZOO",
     "build_spec",
     "cnn",
     "conv_geometry",
-    "pool_geometry",
+    "conv_out_size",
     "flatten_params",
     "init_params",
     "logreg",
     "mlp",
+    "pool_geometry",
     "tabular",
     "unflatten_params",
 ]
@@ -184,6 +188,14 @@ BATCHNORM_REASON = (
     "then not defined and DP-SGD's clipping no longer bounds one sample's influence (the "
     "privacy guarantee fails). Use GroupNorm (statistics per sample over channel groups; "
     "GroupNorm(1, C) normalises each sample over all channels) or LayerNorm instead"
+)
+
+
+DROPOUT_REASON = (
+    "Dropout is refused: the per-sample gradient graphs take no dropout-mask input, and a "
+    "mask drawn inside the graph would come from onnxruntime's generator, not from the "
+    "training step's rng, so the step could not be replayed or checked against the numpy "
+    "engine; remove the Dropout layers (DP-SGD's clipping and noise already regularise)"
 )
 
 
@@ -399,6 +411,8 @@ class ModelSpec:
             kind = entry.pop("kind")
             if str(kind).lower().startswith("batchnorm"):
                 raise UnsupportedLayer(f"layer kind {kind!r}: {BATCHNORM_REASON}")
+            if str(kind).lower().startswith("dropout"):
+                raise UnsupportedLayer(f"layer kind {kind!r}: {DROPOUT_REASON}")
             if kind not in _LAYER_TYPES:
                 raise UnsupportedLayer(
                     f"layer kind {kind!r} is not supported; expected one of {sorted(_LAYER_TYPES)}"

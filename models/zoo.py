@@ -14,6 +14,7 @@ from torch import nn
 
 from edge_sdk.model import (
     BATCHNORM_REASON,
+    DROPOUT_REASON,
     AvgPool1d,
     AvgPool2d,
     Conv1d,
@@ -99,6 +100,7 @@ _SUPPORTED = (
     "Hardswish, LayerNorm/GroupNorm (affine, with bias), Flatten"
 )
 
+
 def _one(value: int | tuple[int, ...]) -> int:
     """The single value of an int or an all-equal tuple (callers check equality first)."""
     return int(value) if isinstance(value, int) else int(value[0])
@@ -109,14 +111,6 @@ def _pool_plain(mod: nn.Module) -> bool:
     same = all(isinstance(v, int) or len(set(v)) == 1 for v in (mod.kernel_size, mod.stride))
     return (same and _one(mod.padding) == 0 and len(set(np.atleast_1d(mod.padding).tolist())) == 1
             and not mod.ceil_mode and getattr(mod, "divisor_override", None) is None)
-
-
-_DROPOUT_REASON = (
-    "Dropout is not exported: the per-sample gradient graphs take no dropout-mask input, and a "
-    "mask drawn inside the graph would come from onnxruntime's generator, not from the step's "
-    "rng the device draws its randomness from, so the step could not be replayed or audited; "
-    "remove the Dropout layers (DP-SGD's clipping and noise already regularise)"
-)
 
 
 def spec_from_module(
@@ -174,7 +168,7 @@ def spec_from_module(
         elif isinstance(mod, nn.Hardswish):
             layers.append(Hardswish())
         elif isinstance(mod, nn.modules.dropout._DropoutNd):
-            raise UnsupportedLayer(f"layer {i} ({kind}: {mod}): {_DROPOUT_REASON}")
+            raise UnsupportedLayer(f"layer {i} ({kind}: {mod}): {DROPOUT_REASON}")
         else:
             raise UnsupportedLayer(
                 f"layer {i} ({kind}: {mod}) cannot be exported for per-sample gradients; "

@@ -228,6 +228,10 @@ def test_activation_modules_export_and_dropout_is_refused_with_a_reason() -> Non
     with pytest.raises(UnsupportedLayer, match=r"layer 1 \(Dropout.*no dropout-mask input"):
         spec_from_module(nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.1), nn.Linear(8, 3)),
                          (6,), 3)
+    data = spec.to_dict()
+    data["layers"].insert(1, {"kind": "dropout", "p": 0.1})
+    with pytest.raises(UnsupportedLayer, match="'dropout'.*no dropout-mask input"):
+        ModelSpec.from_dict(data)
     with pytest.raises(UnsupportedLayer, match="approximate"):
         Gelu(approximate="fast")
 
