@@ -86,7 +86,11 @@ def check_against_torch_func(spec: ModelSpec, engines, *, b: int, seed: int,
     # predictions, where d = softmax - onehot cancels (|d| ~ 1e-3 carries ~1e-7 of rounding,
     # times activations of a few units; torch.func's own float32 error is of that size).
     tol = 1e-5 * float(np.abs(ref).max()) + 2e-6
+    logits = build_module(spec, params)(torch.tensor(x)).detach().numpy()
     for engine in engines:
+        if not isinstance(engine, TorchGraph):  # the inference graph / numpy forward
+            np.testing.assert_allclose(engine.logits(params, x), logits, rtol=1e-5,
+                                       atol=1e-5 * max(1.0, float(np.abs(logits).max())))
         if isinstance(engine, NumpyEngine):
             np.testing.assert_allclose(engine.per_sample_grads(params, x, y), ref,
                                        rtol=0, atol=tol)
@@ -204,11 +208,13 @@ def exported(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
+@pytest.mark.slow  # one export per family; ALL_MODELS covers each kind by default
 @pytest.mark.parametrize("b", [1, 9])
 def test_activation_model_onnx_graph_matches_torch_func(exported, b: int) -> None:
     check_against_torch_func(ACT_MODEL, (exported(ACT_MODEL),), b=b, seed=b)
 
 
+@pytest.mark.slow  # one export per family; ALL_MODELS covers each kind by default
 def test_activation_model_step_matches_opacus(exported, monkeypatch) -> None:
     check_opacus_step(ACT_MODEL, exported(ACT_MODEL), monkeypatch)
 
@@ -305,6 +311,7 @@ def _conv_models() -> dict[str, ModelSpec]:
 CONV_MODELS = _conv_models()
 
 
+@pytest.mark.slow  # one export per family; ALL_MODELS covers each kind by default
 @pytest.mark.parametrize("which", sorted(CONV_MODELS))
 @pytest.mark.parametrize("b", [1, 9])
 def test_conv_models_onnx_graph_matches_torch_func(exported, which: str, b: int) -> None:
@@ -312,6 +319,7 @@ def test_conv_models_onnx_graph_matches_torch_func(exported, which: str, b: int)
     check_against_torch_func(spec, (exported(spec),), b=b, seed=b)
 
 
+@pytest.mark.slow  # one export per family; ALL_MODELS covers each kind by default
 @pytest.mark.parametrize("which", sorted(CONV_MODELS))
 def test_conv_models_step_matches_opacus(exported, which: str, monkeypatch) -> None:
     check_opacus_step(CONV_MODELS[which], exported(CONV_MODELS[which]), monkeypatch)
@@ -398,6 +406,7 @@ POOL_MODELS = {
 }
 
 
+@pytest.mark.slow  # one export per family; ALL_MODELS covers each kind by default
 @pytest.mark.parametrize("which", sorted(POOL_MODELS))
 @pytest.mark.parametrize("b", [1, 9])
 def test_pool_models_onnx_graph_matches_torch_func(exported, which: str, b: int) -> None:
@@ -405,6 +414,7 @@ def test_pool_models_onnx_graph_matches_torch_func(exported, which: str, b: int)
     check_against_torch_func(spec, (exported(spec),), b=b, seed=b)
 
 
+@pytest.mark.slow  # one export per family; ALL_MODELS covers each kind by default
 @pytest.mark.parametrize("which", sorted(POOL_MODELS))
 def test_pool_models_step_matches_opacus(exported, which: str, monkeypatch) -> None:
     check_opacus_step(POOL_MODELS[which], exported(POOL_MODELS[which]), monkeypatch)
@@ -501,6 +511,7 @@ def _norm_models() -> dict[str, ModelSpec]:
 NORM_MODELS = _norm_models()
 
 
+@pytest.mark.slow  # one export per family; ALL_MODELS covers each kind by default
 @pytest.mark.parametrize("which", sorted(NORM_MODELS))
 @pytest.mark.parametrize("b", [1, 9])
 def test_norm_models_onnx_graph_matches_torch_func(exported, which: str, b: int) -> None:
@@ -511,6 +522,7 @@ def test_norm_models_onnx_graph_matches_torch_func(exported, which: str, b: int)
     check_against_torch_func(spec, (exported(spec),), b=b, seed=b, params=params, x=x, y=y)
 
 
+@pytest.mark.slow  # one export per family; ALL_MODELS covers each kind by default
 @pytest.mark.parametrize("which", sorted(NORM_MODELS))
 def test_norm_models_step_matches_opacus(exported, which: str, monkeypatch) -> None:
     check_opacus_step(NORM_MODELS[which], exported(NORM_MODELS[which]), monkeypatch)
@@ -545,3 +557,50 @@ def test_norm_modules_export_and_batchnorm_is_refused_with_why_and_what_instead(
         _norm_spec("gn-vec", 3, 1, 2, False, Tanh(), 2)
     with pytest.raises(ValueError, match="num_groups >= 1 dividing num_channels"):
         GroupNorm(num_groups=3, num_channels=4)
+
+
+# --- every new kind in two exported models (the default suite's ONNX coverage) --------------
+
+def _all_models() -> dict[str, ModelSpec]:
+    from edge_sdk.model import (
+        AvgPool1d,
+        AvgPool2d,
+        Conv1d,
+        Conv2d,
+        GlobalAvgPool,
+        GroupNorm,
+        LayerNorm,
+    )
+
+    seq = ModelSpec(name="seq", input_shape=(3, 20), num_classes=3, layers=(
+        Conv1d(in_channels=3, out_channels=4, kernel=5, stride=2, padding=2),   # 4 x 10
+        GroupNorm(num_groups=2, num_channels=4), Gelu(), AvgPool1d(kernel=2),   # 4 x 5
+        Conv1d(in_channels=4, out_channels=4, kernel=3, padding=1, dilation=2),  # 4 x 3
+        LayerNorm(normalized_shape=(4, 3)), Hardswish(), GlobalAvgPool(dims=1), Flatten(),
+        Linear(in_features=4, out_features=6), LeakyRelu(negative_slope=0.1),
+        Linear(in_features=6, out_features=3)))
+    img = ModelSpec(name="img", input_shape=(2, 11, 9), num_classes=4, layers=(
+        Conv2d(in_channels=2, out_channels=4, kernel=3, stride=2, padding=1),   # 4 x 6 x 5
+        LayerNorm(normalized_shape=(5,)), Tanh(), AvgPool2d(kernel=2, stride=1),  # 4 x 5 x 4
+        Conv2d(in_channels=4, out_channels=3, kernel=2, padding=1, dilation=2),  # 3 x 4 x 3
+        GroupNorm(num_groups=3, num_channels=3), Sigmoid(), GlobalAvgPool(dims=2), Flatten(),
+        Linear(in_features=3, out_features=5), Gelu(approximate="tanh"),
+        Linear(in_features=5, out_features=4)))
+    return {"seq": seq, "img": img}
+
+
+ALL_MODELS = _all_models()
+
+
+@pytest.mark.parametrize("which", sorted(ALL_MODELS))
+def test_every_new_kind_onnx_graphs_match_torch_func_and_opacus(exported, which: str,
+                                                                 monkeypatch) -> None:
+    spec = ALL_MODELS[which]
+    engine = exported(spec)
+    for b in (1, 9):
+        rng = np.random.default_rng(b)
+        params = _perturbed(spec, rng)
+        x, y = _batch(spec, b, rng)
+        check_against_torch_func(spec, (engine, NumpyEngine(spec)), b=b, seed=b,
+                                 params=params, x=x, y=y)
+    check_opacus_step(spec, engine, monkeypatch)
