@@ -298,9 +298,11 @@ class LeakyRelu:
     kind: str = field(default="leakyrelu", init=False)
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.negative_slope):
+        slope = self.negative_slope
+        number = isinstance(slope, int | float) and not isinstance(slope, bool)
+        if not number or not math.isfinite(slope):
             raise ValueError(
-                f"LeakyRelu negative_slope must be finite, got {self.negative_slope!r}"
+                f"LeakyRelu negative_slope must be a finite number, got {self.negative_slope!r}"
             )
 
 
