@@ -18,6 +18,7 @@ return the full [B, d] per-sample gradients. Both engines clip with the factor
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,28 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from edge_sdk.model import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, Relu
+from edge_sdk.model import (
+    ACTIVATIONS,
+    AvgPool1d,
+    AvgPool2d,
+    Conv1d,
+    Conv2d,
+    Flatten,
+    Gelu,
+    GlobalAvgPool,
+    GroupNorm,
+    Hardswish,
+    LayerNorm,
+    LeakyRelu,
+    Linear,
+    MaxPool2d,
+    ModelSpec,
+    Relu,
+    Sigmoid,
+    Tanh,
+    conv_geometry,
+    pool_geometry,
+)
 
 __all__ = [
     "Engine",
@@ -212,10 +234,144 @@ class OnnxEngine:
         return self._infer().run(None, feeds)[0]
 
 
+def _erf(x: np.ndarray) -> np.ndarray:
+    """Element-wise erf, computed by ``math.erf`` in float64 (numpy has none, and scipy is
+    not a device dependency); float32 out."""
+    return _ERF(x.astype(np.float64)).astype(np.float32)
+
+
+_ERF = np.frompyfunc(math.erf, 1, 1)
+
+
+def _activation(layer: Any, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(f(h), f'(h)) of an element-wise activation other than Relu, the formulas of
+    ``models.persample.activation`` (torch's, including its choices at the kinks)."""
+    if isinstance(layer, Tanh):
+        t = np.tanh(h)
+        return t, 1.0 - t * t
+    if isinstance(layer, Sigmoid):
+        s = 0.5 * (1.0 + np.tanh(0.5 * h))  # overflow-free logistic
+        return s, s * (1.0 - s)
+    if isinstance(layer, Gelu):
+        if layer.approximate == "tanh":
+            k = np.float32(math.sqrt(2.0 / math.pi))
+            c = np.float32(0.044715)
+            t = np.tanh(k * (h + c * h * h * h))
+            deriv = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * k * (1.0 + 3 * c * h * h)
+            return 0.5 * h * (1.0 + t), deriv
+        cdf = 0.5 * (1.0 + _erf(h * np.float32(1.0 / math.sqrt(2.0))))
+        pdf = np.exp(-0.5 * h * h) * np.float32(1.0 / math.sqrt(2.0 * math.pi))
+        return h * cdf, cdf + h * pdf
+    if isinstance(layer, LeakyRelu):
+        pos = h > 0
+        slope = np.float32(layer.negative_slope)
+        return np.where(pos, h, h * slope), np.where(pos, np.float32(1.0), slope)
+    if isinstance(layer, Hardswish):
+        deriv = np.where(h <= -3.0, 0.0, np.where(h < 3.0, h / 3.0 + 0.5, 1.0))
+        return h * np.clip(h + 3.0, 0.0, 6.0) / 6.0, deriv.astype(np.float32)
+    raise TypeError(f"not an activation: {layer!r}")
+
+
 def _im2col(x: np.ndarray, k: int) -> np.ndarray:
     b, c, h, w = x.shape
     win = np.lib.stride_tricks.sliding_window_view(x, (k, k), axis=(2, 3))  # B,C,Ho,Wo,k,k
     return win.transpose(0, 1, 4, 5, 2, 3).reshape(b, c * k * k, (h - k + 1) * (w - k + 1))
+
+
+def _plain(layer: Any) -> bool:
+    """A stride-1, unpadded, undilated Conv2d: the zoo's conv, with its own (older) code."""
+    return (isinstance(layer, Conv2d) and layer.stride == 1 and layer.padding == 0
+            and layer.dilation == 1)
+
+
+def _conv_cols(x: np.ndarray, layer: Conv2d | Conv1d) -> np.ndarray:
+    """im2col of a conv seen as 2-D, x [B, C, H, W] (Conv1d: H = 1) -> [B, C*kh*kw, Ho*Wo]."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = conv_geometry(layer)
+    if ph or pw:
+        x = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    b, c = x.shape[:2]
+    span = (dh * (kh - 1) + 1, dw * (kw - 1) + 1)
+    win = np.lib.stride_tricks.sliding_window_view(x, span, axis=(2, 3))
+    win = win[:, :, ::sh, ::sw, ::dh, ::dw]  # B, C, Ho, Wo, kh, kw
+    ho, wo = win.shape[2], win.shape[3]
+    return win.transpose(0, 1, 4, 5, 2, 3).reshape(b, c * kh * kw, ho * wo)
+
+
+def _conv_col2im(dcols: np.ndarray, in_shape: tuple[int, ...], layer: Conv2d | Conv1d,
+                 out_hw: tuple[int, int]) -> np.ndarray:
+    """Adjoint of :func:`_conv_cols`: [B, C*kh*kw, Ho*Wo] -> input gradient [B, C, H, W]."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = conv_geometry(layer)
+    b, c, h, w = in_shape
+    ho, wo = out_hw
+    blocks = dcols.reshape(b, c, kh, kw, ho, wo)
+    out = np.zeros((b, c, h + 2 * ph, w + 2 * pw), dtype=dcols.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            out[:, :, i * dh : i * dh + (ho - 1) * sh + 1 : sh,
+                j * dw : j * dw + (wo - 1) * sw + 1 : sw] += blocks[:, :, i, j]
+    return out[:, :, ph : ph + h, pw : pw + w]
+
+
+def _avg_pool(h: np.ndarray, layer: AvgPool2d | AvgPool1d) -> np.ndarray:
+    (kh, kw), (sh, sw) = pool_geometry(layer)
+    h4 = h[:, :, None, :] if isinstance(layer, AvgPool1d) else h
+    win = np.lib.stride_tricks.sliding_window_view(h4, (kh, kw), axis=(2, 3))[:, :, ::sh, ::sw]
+    out = win.mean(axis=(4, 5), dtype=np.float32)
+    return out[:, :, 0, :] if isinstance(layer, AvgPool1d) else out
+
+
+def _avg_unpool(d: np.ndarray, layer: AvgPool2d | AvgPool1d,
+                in_shape: tuple[int, ...]) -> np.ndarray:
+    """Input gradient [B, *in_shape]: each window's gradient spread evenly over its inputs."""
+    (kh, kw), (sh, sw) = pool_geometry(layer)
+    d4 = d[:, :, None, :] if isinstance(layer, AvgPool1d) else d
+    b, c, ho, wo = d4.shape
+    h, w = (1, in_shape[1]) if isinstance(layer, AvgPool1d) else in_shape[1:]
+    share = d4 * np.float32(1.0 / (kh * kw))
+    out = np.zeros((b, c, h, w), dtype=d.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            out[:, :, i : i + (ho - 1) * sh + 1 : sh, j : j + (wo - 1) * sw + 1 : sw] += share
+    return out[:, :, 0, :] if isinstance(layer, AvgPool1d) else out
+
+
+def _norm_forward(h: np.ndarray, w: np.ndarray, b: np.ndarray,
+                  layer: LayerNorm | GroupNorm) -> tuple[np.ndarray, tuple]:
+    """Output of a LayerNorm/GroupNorm (statistics per sample) and its backward cache."""
+    in_shape = h.shape[1:]
+    if isinstance(layer, LayerNorm):
+        group = math.prod(layer.normalized_shape)
+        bshape: tuple[int, ...] = layer.normalized_shape
+        axes = tuple(range(1, 1 + len(in_shape) - len(bshape)))
+    else:
+        group = math.prod(in_shape) // layer.num_groups
+        bshape = (layer.num_channels, *([1] * (len(in_shape) - 1)))
+        axes = tuple(range(2, 1 + len(in_shape)))
+    hg = h.reshape(h.shape[0], -1, group)
+    xc = hg - hg.mean(axis=2, keepdims=True, dtype=np.float32)
+    var = (xc * xc).mean(axis=2, keepdims=True, dtype=np.float32)
+    rstd = (1.0 / np.sqrt(var + np.float32(layer.eps))).astype(np.float32)
+    xhat = (xc * rstd).reshape(h.shape)
+    out = xhat * w.reshape(bshape) + b.reshape(bshape)
+    return out, (xhat, rstd, w.reshape(bshape), group, axes)
+
+
+def _norm_backward(d: np.ndarray, cache: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sample (weight, bias) gradients [B, *param shape] of a LayerNorm/GroupNorm."""
+    xhat, _, _, _, axes = cache
+    gw, gb = d * xhat, d
+    if axes:
+        gw, gb = gw.sum(axis=axes), gb.sum(axis=axes)
+    return gw, gb
+
+
+def _norm_input_grad(d: np.ndarray, cache: tuple) -> np.ndarray:
+    xhat, rstd, w, group, _ = cache
+    g = (d * w).reshape(d.shape[0], -1, group)
+    xg = xhat.reshape(g.shape)
+    dx = rstd * (g - g.mean(axis=2, keepdims=True)
+                 - xg * (g * xg).mean(axis=2, keepdims=True))
+    return dx.reshape(d.shape)
 
 
 def _pool(h: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -251,7 +407,7 @@ class NumpyEngine:
                 cache.append((h, pi))
                 h = h @ params[pi].T + params[pi + 1]
                 pi += 2
-            elif isinstance(layer, Conv2d):
+            elif _plain(layer):
                 k, b = layer.kernel, h.shape[0]
                 ho, wo = h.shape[2] - k + 1, h.shape[3] - k + 1
                 cols = _im2col(h, k)
@@ -259,12 +415,38 @@ class NumpyEngine:
                 out = np.matmul(params[pi].reshape(layer.out_channels, -1), cols)
                 h = (out + params[pi + 1][:, None]).reshape(b, layer.out_channels, ho, wo)
                 pi += 2
+            elif isinstance(layer, Conv2d | Conv1d):
+                h4 = h if isinstance(layer, Conv2d) else h[:, :, None, :]
+                cols = _conv_cols(h4, layer)
+                cache.append((cols, pi, h4.shape, layer))
+                out = np.matmul(params[pi].reshape(layer.out_channels, -1), cols)
+                out = out + params[pi + 1][:, None]
+                (kh, kw), (sh, sw), (ph, pw), (dh, dw) = conv_geometry(layer)
+                ho = (h4.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+                wo = (h4.shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+                shape = (ho, wo) if isinstance(layer, Conv2d) else (wo,)
+                h = out.reshape(h.shape[0], layer.out_channels, *shape)
+                pi += 2
             elif isinstance(layer, MaxPool2d):
                 h, masks = _pool(h)
                 cache.append(masks)
+            elif isinstance(layer, LayerNorm | GroupNorm):
+                h, saved = _norm_forward(h, params[pi], params[pi + 1], layer)
+                cache.append((saved, pi))
+                pi += 2
+            elif isinstance(layer, AvgPool2d | AvgPool1d):
+                cache.append(h.shape[1:])
+                h = _avg_pool(h, layer)
+            elif isinstance(layer, GlobalAvgPool):
+                cache.append(h.shape[1:])
+                h = h.mean(axis=tuple(range(2, 2 + layer.dims)), keepdims=True, dtype=np.float32)
             elif isinstance(layer, Relu):
                 cache.append(h > 0)
                 h = np.maximum(h, 0)
+            elif isinstance(layer, ACTIVATIONS):
+                h, deriv = _activation(layer, h)
+                h = h.astype(np.float32, copy=False)
+                cache.append(deriv.astype(np.float32, copy=False))
             elif isinstance(layer, Flatten):
                 cache.append(h.shape)
                 h = h.reshape(h.shape[0], -1)
@@ -296,8 +478,8 @@ class NumpyEngine:
                 if pi == 0:
                     break
                 d = d @ params[pi]
-            elif isinstance(layer, Conv2d):
-                cols, pi, in_shape = c
+            elif isinstance(layer, Conv2d | Conv1d):
+                cols, pi, in_shape = c[:3]
                 dflat = d.reshape(d.shape[0], d.shape[1], -1)
                 gw = np.matmul(dflat, cols.transpose(0, 2, 1))
                 gb = dflat.sum(axis=2)
@@ -310,10 +492,32 @@ class NumpyEngine:
                     break
                 w2 = params[pi].reshape(layer.out_channels, -1)
                 dcols = np.matmul(w2.T, dflat)  # B, C*k*k, Ho*Wo
-                d = self._col2im(dcols, in_shape, layer.kernel)
+                if len(c) == 4:
+                    out_hw = d.shape[2:] if isinstance(layer, Conv2d) else (1, d.shape[2])
+                    d = _conv_col2im(dcols, in_shape, layer, out_hw)
+                    if isinstance(layer, Conv1d):
+                        d = d[:, :, 0, :]
+                else:
+                    d = self._col2im(dcols, in_shape, layer.kernel)
             elif isinstance(layer, MaxPool2d):
                 d = _unpool(d, c)
-            elif isinstance(layer, Relu):
+            elif isinstance(layer, LayerNorm | GroupNorm):
+                saved, pi = c
+                gw, gb = _norm_backward(d, saved)
+                if masks is not None:
+                    gw, gb = gw * masks[pi], gb * masks[pi + 1]
+                sq += (np.einsum("bi,bi->b", gw.reshape(len(y), -1), gw.reshape(len(y), -1))
+                       + np.einsum("bi,bi->b", gb.reshape(len(y), -1), gb.reshape(len(y), -1)))
+                pieces[pi] = ("norm", gw, gb)
+                if pi == 0:
+                    break
+                d = _norm_input_grad(d, saved)
+            elif isinstance(layer, AvgPool2d | AvgPool1d):
+                d = _avg_unpool(d, layer, c)
+            elif isinstance(layer, GlobalAvgPool):
+                share = d * np.float32(1.0 / math.prod(c[1:]))
+                d = np.broadcast_to(share, (d.shape[0], *c)).copy()
+            elif isinstance(layer, ACTIVATIONS):
                 d = d * c
             elif isinstance(layer, Flatten):
                 d = d.reshape(c)
@@ -355,6 +559,8 @@ class NumpyEngine:
             if kind == "linear":
                 ds = p1 * scale[:, None]
                 pair = [ds.T @ p2, ds.sum(axis=0)]
+            elif kind == "norm":
+                pair = [np.tensordot(scale, p1, axes=1), np.tensordot(scale, p2, axes=1)]
             else:
                 pair = [np.einsum("b,boi->oi", scale, p1).reshape(shape), scale @ p2]
             if ms is not None:
@@ -381,6 +587,8 @@ class NumpyEngine:
             kind, p1, p2 = pieces[pi]
             if kind == "linear":
                 cols += [np.einsum("bo,bi->boi", p1, p2).reshape(len(y), -1), p1]
+            elif kind == "norm":
+                cols += [p1.reshape(len(y), -1), p2.reshape(len(y), -1)]
             else:
                 cols += [p1.reshape(len(y), -1), p2]
         return np.concatenate(cols, axis=1), losses

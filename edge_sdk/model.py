@@ -18,27 +18,45 @@ import numpy as np
 from edge_sdk.errors import EdgeError
 
 __all__ = [
+    "ACTIVATIONS",
+    "BATCHNORM_REASON",
+    "DROPOUT_REASON",
+    "NORMS",
+    "ZOO",
+    "AvgPool1d",
+    "AvgPool2d",
+    "Conv1d",
     "Conv2d",
     "Flatten",
+    "Gelu",
+    "GlobalAvgPool",
+    "GroupNorm",
+    "Hardswish",
+    "LayerNorm",
+    "LeakyRelu",
     "Linear",
     "MaxPool2d",
     "ModelSpec",
     "Relu",
+    "Sigmoid",
+    "Tanh",
     "UnsupportedLayer",
-    "ZOO",
     "build_spec",
     "cnn",
+    "conv_geometry",
+    "conv_out_size",
     "flatten_params",
     "init_params",
     "logreg",
     "mlp",
+    "pool_geometry",
     "tabular",
     "unflatten_params",
 ]
 
 
 class UnsupportedLayer(EdgeError, ValueError):
-    """A layer outside the supported set (Linear, Conv2d, MaxPool2d, Relu, Flatten)."""
+    """A layer outside the supported set (see ``_LAYER_TYPES``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,14 +66,61 @@ class Linear:
     kind: str = field(default="linear", init=False)
 
 
+def _check_conv(layer: Any) -> None:
+    name = type(layer).__name__
+    for attr in ("in_channels", "out_channels", "kernel", "stride", "dilation"):
+        value = getattr(layer, attr)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} {attr} must be an int >= 1, got {value!r}")
+    if not isinstance(layer.padding, int) or isinstance(layer.padding, bool) or layer.padding < 0:
+        raise ValueError(f"{name} padding must be an int >= 0, got {layer.padding!r}")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Conv2d:
-    """Square kernel, stride 1, no padding (the only conv the zoo needs)."""
+    """Square kernel; the same stride, zero padding and dilation along both axes
+    (torch's defaults: 1, 0, 1). No groups."""
 
     in_channels: int
     out_channels: int
     kernel: int
+    stride: int = 1
+    padding: int = 0
+    dilation: int = 1
     kind: str = field(default="conv2d", init=False)
+
+    def __post_init__(self) -> None:
+        _check_conv(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Conv1d:
+    """1-D convolution over [C, L] inputs (time series): stride, zero padding, dilation.
+    Computed as a Conv2d of height 1."""
+
+    in_channels: int
+    out_channels: int
+    kernel: int
+    stride: int = 1
+    padding: int = 0
+    dilation: int = 1
+    kind: str = field(default="conv1d", init=False)
+
+    def __post_init__(self) -> None:
+        _check_conv(self)
+
+
+def conv_geometry(layer: Conv2d | Conv1d) -> tuple[tuple[int, int], ...]:
+    """((kh, kw), (sh, sw), (ph, pw), (dh, dw)) of a conv seen as 2-D (Conv1d: height 1)."""
+    if isinstance(layer, Conv1d):
+        return (1, layer.kernel), (1, layer.stride), (0, layer.padding), (1, layer.dilation)
+    k, st, p, dl = layer.kernel, layer.stride, layer.padding, layer.dilation
+    return (k, k), (st, st), (p, p), (dl, dl)
+
+
+def conv_out_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
+    """Output length along one axis (torch's formula, floor division)."""
+    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,6 +135,123 @@ class MaxPool2d:
             raise UnsupportedLayer(f"MaxPool2d kernel must be 2, got {self.kernel!r}")
 
 
+def _check_pool(layer: Any) -> None:
+    if layer.stride is None:
+        object.__setattr__(layer, "stride", layer.kernel)  # torch's default: stride = kernel
+    for attr in ("kernel", "stride"):
+        value = getattr(layer, attr)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{type(layer).__name__} {attr} must be an int >= 1, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AvgPool2d:
+    """Square average pooling, no padding, floor mode (torch's defaults); stride defaults to
+    the kernel. A window's gradient is spread evenly over its kernel*kernel inputs."""
+
+    kernel: int
+    stride: int | None = None
+    kind: str = field(default="avgpool2d", init=False)
+
+    def __post_init__(self) -> None:
+        _check_pool(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AvgPool1d:
+    """Average pooling over [C, L], no padding, floor mode; stride defaults to the kernel."""
+
+    kernel: int
+    stride: int | None = None
+    kind: str = field(default="avgpool1d", init=False)
+
+    def __post_init__(self) -> None:
+        _check_pool(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GlobalAvgPool:
+    """Mean over all ``dims`` spatial axes (2: [C, H, W] -> [C, 1, 1]; 1: [C, L] -> [C, 1]),
+    torch's AdaptiveAvgPool2d(1) / AdaptiveAvgPool1d(1); follow it with Flatten."""
+
+    dims: int = 2
+    kind: str = field(default="globalavgpool", init=False)
+
+    def __post_init__(self) -> None:
+        if self.dims not in (1, 2):
+            raise ValueError(f"GlobalAvgPool dims must be 1 or 2, got {self.dims!r}")
+
+
+BATCHNORM_REASON = (
+    "BatchNorm is refused: it normalises each sample with statistics of the whole batch, so "
+    "one sample's output and gradient depend on the other samples; per-sample gradients are "
+    "then not defined and DP-SGD's clipping no longer bounds one sample's influence (the "
+    "privacy guarantee fails). Use GroupNorm (statistics per sample over channel groups; "
+    "GroupNorm(1, C) normalises each sample over all channels) or LayerNorm instead"
+)
+
+
+DROPOUT_REASON = (
+    "Dropout is refused: the per-sample gradient graphs take no dropout-mask input, and a "
+    "mask drawn inside the graph would come from onnxruntime's generator, not from the "
+    "training step's rng, so the step could not be replayed or checked against the numpy "
+    "engine; remove the Dropout layers (DP-SGD's clipping and noise already regularise)"
+)
+
+
+def _check_eps(layer: Any) -> None:
+    if not (isinstance(layer.eps, int | float) and math.isfinite(layer.eps) and layer.eps > 0):
+        raise ValueError(f"{type(layer).__name__} eps must be a finite float > 0, "
+                         f"got {layer.eps!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerNorm:
+    """torch's nn.LayerNorm(normalized_shape, eps) with its affine weight and bias (both
+    shaped ``normalized_shape``): each sample normalised over its last len(normalized_shape)
+    axes, statistics per sample, so per-sample gradients are well defined."""
+
+    normalized_shape: tuple[int, ...]
+    eps: float = 1e-5
+    kind: str = field(default="layernorm", init=False)
+
+    def __post_init__(self) -> None:
+        shape = self.normalized_shape
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if not shape or not all(isinstance(v, int) and v >= 1 for v in shape):
+            raise ValueError(f"LayerNorm normalized_shape must be ints >= 1, got {shape!r}")
+        object.__setattr__(self, "normalized_shape", shape)  # JSON gives lists
+        _check_eps(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupNorm:
+    """torch's nn.GroupNorm(num_groups, num_channels, eps) with its per-channel affine weight
+    and bias: each sample's channels split into groups, each normalised over its channels and
+    positions, statistics per sample."""
+
+    num_groups: int
+    num_channels: int
+    eps: float = 1e-5
+    kind: str = field(default="groupnorm", init=False)
+
+    def __post_init__(self) -> None:
+        g, c = self.num_groups, self.num_channels
+        if not (isinstance(g, int) and isinstance(c, int) and g >= 1 and c >= 1 and c % g == 0):
+            raise ValueError(f"GroupNorm needs ints num_groups >= 1 dividing num_channels, "
+                             f"got num_groups={g!r}, num_channels={c!r}")
+        _check_eps(self)
+
+
+NORMS = (LayerNorm, GroupNorm)
+
+
+def pool_geometry(layer: AvgPool2d | AvgPool1d) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((kh, kw), (sh, sw)) of an average pool seen as 2-D (AvgPool1d: height 1)."""
+    k, st = layer.kernel, int(layer.stride or layer.kernel)
+    return ((1, k), (1, st)) if isinstance(layer, AvgPool1d) else ((k, k), (st, st))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Relu:
     kind: str = field(default="relu", init=False)
@@ -80,13 +262,78 @@ class Flatten:
     kind: str = field(default="flatten", init=False)
 
 
-Layer = Linear | Conv2d | MaxPool2d | Relu | Flatten
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tanh:
+    kind: str = field(default="tanh", init=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sigmoid:
+    kind: str = field(default="sigmoid", init=False)
+
+
+GELU_APPROXIMATIONS = ("none", "tanh")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Gelu:
+    """x * Phi(x). ``approximate="none"`` (torch's default) is the exact erf form;
+    ``"tanh"`` is torch's tanh approximation. The gradient follows the chosen form."""
+
+    approximate: str = "none"
+    kind: str = field(default="gelu", init=False)
+
+    def __post_init__(self) -> None:
+        if self.approximate not in GELU_APPROXIMATIONS:
+            raise UnsupportedLayer(
+                f"Gelu approximate must be one of {GELU_APPROXIMATIONS}, got {self.approximate!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeakyRelu:
+    """x for x > 0, else negative_slope * x (gradient negative_slope at 0, as torch)."""
+
+    negative_slope: float = 0.01
+    kind: str = field(default="leakyrelu", init=False)
+
+    def __post_init__(self) -> None:
+        slope = self.negative_slope
+        number = isinstance(slope, int | float) and not isinstance(slope, bool)
+        if not number or not math.isfinite(slope):
+            raise ValueError(
+                f"LeakyRelu negative_slope must be a finite number, got {self.negative_slope!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hardswish:
+    """x * relu6(x + 3) / 6; gradient 0 for x <= -3, x/3 + 1/2 inside, 1 for x >= 3 (torch)."""
+
+    kind: str = field(default="hardswish", init=False)
+
+
+Layer = (Linear | Conv2d | Conv1d | MaxPool2d | AvgPool2d | AvgPool1d | GlobalAvgPool | Relu
+         | Flatten | Tanh | Sigmoid | Gelu | LeakyRelu | Hardswish | LayerNorm | GroupNorm)
+# Element-wise activations: no parameters, shape kept, gradient = upstream * f'(pre-activation).
+ACTIVATIONS = (Relu, Tanh, Sigmoid, Gelu, LeakyRelu, Hardswish)
 _LAYER_TYPES: dict[str, type] = {
     "linear": Linear,
     "conv2d": Conv2d,
+    "conv1d": Conv1d,
     "maxpool2d": MaxPool2d,
+    "avgpool2d": AvgPool2d,
+    "avgpool1d": AvgPool1d,
+    "globalavgpool": GlobalAvgPool,
     "relu": Relu,
     "flatten": Flatten,
+    "tanh": Tanh,
+    "sigmoid": Sigmoid,
+    "gelu": Gelu,
+    "leakyrelu": LeakyRelu,
+    "hardswish": Hardswish,
+    "layernorm": LayerNorm,
+    "groupnorm": GroupNorm,
 }
 
 
@@ -122,7 +369,25 @@ class ModelSpec:
                 k = layer.kernel
                 out.append((f"l{i}.weight", (layer.out_channels, layer.in_channels, k, k)))
                 out.append((f"l{i}.bias", (layer.out_channels,)))
+            elif isinstance(layer, Conv1d):
+                k = layer.kernel
+                out.append((f"l{i}.weight", (layer.out_channels, layer.in_channels, k)))
+                out.append((f"l{i}.bias", (layer.out_channels,)))
+            elif isinstance(layer, LayerNorm):
+                out.append((f"l{i}.weight", layer.normalized_shape))
+                out.append((f"l{i}.bias", layer.normalized_shape))
+            elif isinstance(layer, GroupNorm):
+                out.append((f"l{i}.weight", (layer.num_channels,)))
+                out.append((f"l{i}.bias", (layer.num_channels,)))
         return out
+
+    def layer_shapes(self) -> list[tuple[int, ...]]:
+        """Each layer's per-sample output shape, in order."""
+        shapes, shape = [], tuple(self.input_shape)
+        for i, layer in enumerate(self.layers):
+            shape = _out_shape(layer, shape, i)
+            shapes.append(shape)
+        return shapes
 
     @property
     def num_params(self) -> int:
@@ -146,6 +411,10 @@ class ModelSpec:
         for entry in data["layers"]:
             entry = dict(entry)
             kind = entry.pop("kind")
+            if str(kind).lower().startswith("batchnorm"):
+                raise UnsupportedLayer(f"layer kind {kind!r}: {BATCHNORM_REASON}")
+            if str(kind).lower().startswith("dropout"):
+                raise UnsupportedLayer(f"layer kind {kind!r}: {DROPOUT_REASON}")
             if kind not in _LAYER_TYPES:
                 raise UnsupportedLayer(
                     f"layer kind {kind!r} is not supported; expected one of {sorted(_LAYER_TYPES)}"
@@ -165,18 +434,53 @@ def _out_shape(layer: Layer, shape: tuple[int, ...], index: int) -> tuple[int, .
         if shape != (layer.in_features,):
             raise ValueError(f"{where} expects input ({layer.in_features},), got {shape}")
         return (layer.out_features,)
-    if isinstance(layer, Conv2d):
-        if len(shape) != 3 or shape[0] != layer.in_channels:
-            raise ValueError(f"{where} expects input ({layer.in_channels}, H, W), got {shape}")
-        h, w = shape[1] - layer.kernel + 1, shape[2] - layer.kernel + 1
+    if isinstance(layer, Conv2d | Conv1d):
+        rank, dims = (3, "H, W") if isinstance(layer, Conv2d) else (2, "L")
+        if len(shape) != rank or shape[0] != layer.in_channels:
+            raise ValueError(f"{where} expects input ({layer.in_channels}, {dims}), got {shape}")
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = conv_geometry(layer)
+        spatial = (1, *shape[1:]) if rank == 2 else shape[1:]
+        h = conv_out_size(spatial[0], kh, sh, ph, dh)
+        w = conv_out_size(spatial[1], kw, sw, pw, dw)
         if h < 1 or w < 1:
-            raise ValueError(f"{where}: kernel {layer.kernel} larger than input {shape}")
-        return (layer.out_channels, h, w)
+            raise ValueError(
+                f"{where}: kernel {layer.kernel} (dilation {layer.dilation}, padding "
+                f"{layer.padding}) larger than input {shape}"
+            )
+        return (layer.out_channels, h, w) if rank == 3 else (layer.out_channels, w)
     if isinstance(layer, MaxPool2d):
         if len(shape) != 3 or shape[1] % 2 or shape[2] % 2:
             raise ValueError(f"{where} expects (C, H, W) with even H, W, got {shape}")
         return (shape[0], shape[1] // 2, shape[2] // 2)
-    if isinstance(layer, Relu):
+    if isinstance(layer, AvgPool2d | AvgPool1d):
+        rank, dims = (3, "C, H, W") if isinstance(layer, AvgPool2d) else (2, "C, L")
+        if len(shape) != rank:
+            raise ValueError(f"{where} expects input ({dims}), got {shape}")
+        (kh, kw), (sh, sw) = pool_geometry(layer)
+        spatial = shape[1:] if rank == 3 else (1, shape[1])
+        h, w = (spatial[0] - kh) // sh + 1, (spatial[1] - kw) // sw + 1
+        if spatial[0] < kh or spatial[1] < kw:
+            raise ValueError(f"{where}: kernel {layer.kernel} larger than input {shape}")
+        return (shape[0], h, w) if rank == 3 else (shape[0], w)
+    if isinstance(layer, GlobalAvgPool):
+        if len(shape) != layer.dims + 1:
+            raise ValueError(f"{where} (dims={layer.dims}) expects a rank-{layer.dims + 1} "
+                             f"input (C, ...), got {shape}")
+        return (shape[0], *([1] * layer.dims))
+    if isinstance(layer, LayerNorm):
+        n = len(layer.normalized_shape)
+        if shape[len(shape) - n :] != layer.normalized_shape:
+            raise ValueError(f"{where} expects input ending in {layer.normalized_shape}, "
+                             f"got {shape}")
+        return shape
+    if isinstance(layer, GroupNorm):
+        if not shape or shape[0] != layer.num_channels:
+            raise ValueError(f"{where} expects input ({layer.num_channels}, ...), got {shape}")
+        if math.prod(shape) // layer.num_groups < 2:
+            # a group of one value normalises to 0 whatever it is (torch refuses it too)
+            raise ValueError(f"{where}: groups of one value on input {shape}; use fewer groups")
+        return shape
+    if isinstance(layer, ACTIVATIONS):
         return shape
     if isinstance(layer, Flatten):
         return (math.prod(shape),)
@@ -267,6 +571,18 @@ def build_spec(arch: str, input_shape: Sequence[int], num_classes: int) -> Model
     return ZOO[arch](input_shape, num_classes)
 
 
+def _norm_param_indices(spec: ModelSpec) -> dict[int, bool]:
+    """Graph-order indices of normalisation parameters -> True for a weight, False a bias."""
+    out: dict[int, bool] = {}
+    pi = 0
+    for layer in spec.layers:
+        if isinstance(layer, NORMS):
+            out[pi], out[pi + 1] = True, False
+        if isinstance(layer, Linear | Conv2d | Conv1d | LayerNorm | GroupNorm):
+            pi += 2
+    return out
+
+
 def init_params(spec: ModelSpec, rng: np.random.Generator) -> list[np.ndarray]:
     """Initial float32 parameters: He-uniform for layers that feed a ReLU, LeCun-uniform
     for the output layer, zero biases.
@@ -277,9 +593,14 @@ def init_params(spec: ModelSpec, rng: np.random.Generator) -> list[np.ndarray]:
     in the issue-2 setting).
     """
     shapes = spec.param_shapes()
-    last_weight = max(i for i, (_, s) in enumerate(shapes) if len(s) > 1)
+    norm = _norm_param_indices(spec)  # weight 1, bias 0: the identity affine map (torch)
+    last_weight = max((i for i, (_, s) in enumerate(shapes) if len(s) > 1 and i not in norm),
+                      default=-1)
     params = []
     for i, (_, shape) in enumerate(shapes):
+        if i in norm:
+            params.append(np.full(shape, 1.0 if norm[i] else 0.0, dtype=np.float32))
+            continue
         if len(shape) == 1:
             params.append(np.zeros(shape, dtype=np.float32))
             continue

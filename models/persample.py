@@ -9,9 +9,22 @@ out layer by layer for the supported set, with the weights as graph inputs:
 * Conv2d (stride 1, no padding): im2col from slices (not ``F.unfold``, which becomes slow
   Gather ops in onnxruntime) and a batched MatMul give the per-sample weight gradient
   [B, out, in*k*k], small for the zoo's convs; the input gradient is a transposed conv.
+* Conv2d with stride, zero padding or dilation, and Conv1d (as a Conv2d of height 1): the
+  same im2col from strided slices of the zero-padded input; the input gradient is a
+  transposed conv with those settings and the output padding that restores the input size.
+  Stride-1 unpadded Conv2d keeps the code above, so the zoo's graphs do not change.
 * MaxPool2d 2x2: the four window elements by strided slices; the gradient goes to the
   first maximum in scan order, torch's tie rule.
+* AvgPool2d/AvgPool1d (no padding): the output gradient spread evenly over each window, a
+  transposed conv of the per-channel map with a constant 1/(kh*kw) kernel; GlobalAvgPool:
+  the output gradient / (number of positions), broadcast.
+* LayerNorm / GroupNorm (affine): statistics per sample, so the per-sample weight and bias
+  gradients are sums of d * xhat and d over the positions sharing a parameter; the input
+  gradient is rstd * (g - mean(g) - xhat * mean(g * xhat)) per normalisation group, with
+  g = d * weight. BatchNorm is refused (edge_sdk.model.BATCHNORM_REASON).
 * Relu: gradient where the pre-activation is > 0 (torch's rule at 0).
+* Tanh, Sigmoid, GELU (erf or tanh form), LeakyReLU, Hardswish: the upstream gradient times
+  f'(pre-activation), f' written out as torch's autograd computes it (see ``activation``).
 
 Outputs: per-sample L2 norms [B] of the full gradient, per-sample losses [B], then the
 sum over the batch of the clipped per-sample gradients, one output per parameter.
@@ -26,13 +39,35 @@ disables clipping.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from edge_sdk.model import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, Relu
+from edge_sdk.model import (
+    ACTIVATIONS,
+    AvgPool1d,
+    AvgPool2d,
+    Conv1d,
+    Conv2d,
+    Flatten,
+    Gelu,
+    GlobalAvgPool,
+    GroupNorm,
+    Hardswish,
+    LayerNorm,
+    LeakyRelu,
+    Linear,
+    MaxPool2d,
+    ModelSpec,
+    Relu,
+    Sigmoid,
+    Tanh,
+    conv_geometry,
+    pool_geometry,
+)
 
 _TINY = float(torch.finfo(torch.float32).tiny)
 
@@ -43,6 +78,131 @@ def im2col(x: Tensor, k: int) -> Tensor:
     ho, wo = h - k + 1, w - k + 1
     patches = [x[:, :, i : i + ho, j : j + wo] for i in range(k) for j in range(k)]
     return torch.stack(patches, dim=2).reshape(-1, c * k * k, ho * wo)
+
+
+def _plain(layer: Any) -> bool:
+    """A stride-1, unpadded, undilated Conv2d: the zoo's conv, with its own (older) code."""
+    return (isinstance(layer, Conv2d) and layer.stride == 1 and layer.padding == 0
+            and layer.dilation == 1)
+
+
+def conv_cols(x: Tensor, layer: Conv2d | Conv1d) -> tuple[Tensor, int, int]:
+    """im2col of a conv seen as 2-D: x [B, C, H, W] (Conv1d: H = 1) -> ([B, C*kh*kw, Ho*Wo],
+    Ho, Wo), column order (c, i, j) as in the weight's reshape; slices, not F.unfold."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = conv_geometry(layer)
+    if ph or pw:
+        x = F.pad(x, (pw, pw, ph, ph))
+    c, h, w = x.shape[1], x.shape[2], x.shape[3]
+    ho, wo = (h - dh * (kh - 1) - 1) // sh + 1, (w - dw * (kw - 1) - 1) // sw + 1
+    patches = [x[:, :, i * dh : i * dh + (ho - 1) * sh + 1 : sh,
+                 j * dw : j * dw + (wo - 1) * sw + 1 : sw]
+               for i in range(kh) for j in range(kw)]
+    return torch.stack(patches, dim=2).reshape(-1, c * kh * kw, ho * wo), ho, wo
+
+
+def conv_input_grad(d: Tensor, w: Tensor, layer: Conv2d | Conv1d,
+                    in_shape: tuple[int, ...]) -> Tensor:
+    """Gradient w.r.t. the conv's input [B, *in_shape] from the output gradient ``d``."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = conv_geometry(layer)
+    if isinstance(layer, Conv1d):
+        length, lo = in_shape[1], d.shape[2]
+        pad_out = length + 2 * pw - dw * (kw - 1) - 1 - (lo - 1) * sw
+        return F.conv_transpose1d(d, w, stride=sw, padding=pw, output_padding=pad_out,
+                                  dilation=dw)
+    h, wd, ho, wo = in_shape[1], in_shape[2], d.shape[2], d.shape[3]
+    pad_out = (h + 2 * ph - dh * (kh - 1) - 1 - (ho - 1) * sh,
+               wd + 2 * pw - dw * (kw - 1) - 1 - (wo - 1) * sw)
+    return F.conv_transpose2d(d, w, stride=(sh, sw), padding=(ph, pw), output_padding=pad_out,
+                              dilation=(dh, dw))
+
+
+def avg_pool(h: Tensor, layer: AvgPool2d | AvgPool1d) -> Tensor:
+    if isinstance(layer, AvgPool1d):
+        return F.avg_pool1d(h, layer.kernel, layer.stride)
+    return F.avg_pool2d(h, layer.kernel, layer.stride)
+
+
+def avg_unpool(d: Tensor, layer: AvgPool2d | AvgPool1d, in_shape: tuple[int, ...]) -> Tensor:
+    """Input gradient [B, *in_shape] of an average pool from its output gradient ``d``."""
+    (kh, kw), (sh, sw) = pool_geometry(layer)
+    h, w = (1, in_shape[1]) if isinstance(layer, AvgPool1d) else in_shape[1:]
+    ho, wo = (h - kh) // sh + 1, (w - kw) // sw + 1
+    ones = torch.full((1, 1, kh, kw), 1.0 / (kh * kw), dtype=d.dtype)
+    g = F.conv_transpose2d(d.reshape(-1, 1, ho, wo), ones, stride=(sh, sw),
+                           output_padding=(h - kh - (ho - 1) * sh, w - kw - (wo - 1) * sw))
+    return g.reshape(-1, *in_shape)
+
+
+def norm_forward(h: Tensor, w: Tensor, b: Tensor,
+                 layer: LayerNorm | GroupNorm) -> tuple[Tensor, dict[str, Any]]:
+    """Output of a LayerNorm/GroupNorm and what its backward needs."""
+    in_shape = tuple(h.shape[1:])
+    if isinstance(layer, LayerNorm):
+        group = math.prod(layer.normalized_shape)
+        bshape: tuple[int, ...] = layer.normalized_shape
+    else:
+        group = math.prod(in_shape) // layer.num_groups
+        bshape = (layer.num_channels, *([1] * (len(in_shape) - 1)))
+    hg = h.reshape(-1, math.prod(in_shape) // group, group)
+    xc = hg - hg.mean(dim=2, keepdim=True)
+    rstd = torch.rsqrt((xc * xc).mean(dim=2, keepdim=True) + layer.eps)
+    xhat = (xc * rstd).reshape(-1, *in_shape)
+    out = xhat * w.reshape(bshape) + b.reshape(bshape)
+    return out, {"xhat": xhat, "rstd": rstd, "w": w.reshape(bshape), "group": group,
+                 "in_shape": in_shape}
+
+
+def norm_backward(d: Tensor, c: dict[str, Any],
+                  layer: LayerNorm | GroupNorm) -> tuple[Tensor, Tensor]:
+    """Per-sample (weight, bias) gradients [B, *param shape] of a LayerNorm/GroupNorm."""
+    xhat, rank = c["xhat"], len(c["in_shape"])
+    if isinstance(layer, LayerNorm):
+        axes = tuple(range(1, 1 + rank - len(layer.normalized_shape)))
+    else:
+        axes = tuple(range(2, 1 + rank))
+    gw, gb = d * xhat, d
+    if axes:
+        gw, gb = gw.sum(dim=axes), gb.sum(dim=axes)
+    return gw, gb
+
+
+def norm_input_grad(d: Tensor, c: dict[str, Any]) -> Tensor:
+    group = c["group"]
+    g = (d * c["w"]).reshape(-1, math.prod(c["in_shape"]) // group, group)
+    xg = c["xhat"].reshape(g.shape)
+    dx = c["rstd"] * (g - g.mean(dim=2, keepdim=True)
+                      - xg * (g * xg).mean(dim=2, keepdim=True))
+    return dx.reshape(-1, *c["in_shape"])
+
+
+def activation(layer: Any, h: Tensor) -> tuple[Tensor, Tensor]:
+    """(f(h), f'(h)) of an element-wise activation other than Relu, torch's formulas
+    (including its choice at the kinks: LeakyReLU slope at 0, Hardswish 0 at -3, 1 at 3)."""
+    if isinstance(layer, Tanh):
+        t = torch.tanh(h)
+        return t, 1.0 - t * t
+    if isinstance(layer, Sigmoid):
+        s = torch.sigmoid(h)
+        return s, s * (1.0 - s)
+    if isinstance(layer, Gelu):
+        if layer.approximate == "tanh":
+            k = math.sqrt(2.0 / math.pi)
+            inner = k * (h + 0.044715 * h * h * h)
+            t = torch.tanh(inner)
+            deriv = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * k * (1.0 + 3 * 0.044715 * h * h)
+            return 0.5 * h * (1.0 + t), deriv
+        cdf = 0.5 * (1.0 + torch.erf(h * (1.0 / math.sqrt(2.0))))
+        pdf = torch.exp(-0.5 * h * h) * (1.0 / math.sqrt(2.0 * math.pi))
+        return h * cdf, cdf + h * pdf
+    if isinstance(layer, LeakyRelu):
+        pos = h > 0
+        slope = layer.negative_slope
+        return torch.where(pos, h, h * slope), torch.where(pos, 1.0, slope).to(h.dtype)
+    if isinstance(layer, Hardswish):
+        mid = h / 3.0 + 0.5
+        deriv = torch.where(h <= -3.0, 0.0, torch.where(h < 3.0, mid, 1.0)).to(h.dtype)
+        return h * torch.clamp(h + 3.0, 0.0, 6.0) / 6.0, deriv
+    raise TypeError(f"not an activation: {layer!r}")
 
 
 def _pool_masks(h: Tensor) -> tuple[Tensor, list[Tensor]]:
@@ -85,7 +245,7 @@ class PerSampleGrad(nn.Module):
                 cache.append({"a": h, "w": w, "pi": pi})
                 h = h @ w.t() + b
                 pi += 2
-            elif isinstance(layer, Conv2d):
+            elif _plain(layer):
                 w, b = params[pi], params[pi + 1]
                 k = layer.kernel
                 ho, wo = h.shape[2] - k + 1, h.shape[3] - k + 1
@@ -94,12 +254,35 @@ class PerSampleGrad(nn.Module):
                 cache.append({"cols": cols, "w": w, "pi": pi})
                 h = out.reshape(-1, layer.out_channels, ho, wo)
                 pi += 2
+            elif isinstance(layer, Conv2d | Conv1d):
+                w, b = params[pi], params[pi + 1]
+                cols, ho, wo = conv_cols(h if isinstance(layer, Conv2d) else h.unsqueeze(2),
+                                         layer)
+                out = torch.matmul(w.reshape(layer.out_channels, -1), cols) + b[:, None]
+                cache.append({"cols": cols, "w": w, "pi": pi, "layer": layer,
+                              "in_shape": tuple(h.shape[1:])})
+                shape = (ho, wo) if isinstance(layer, Conv2d) else (wo,)
+                h = out.reshape(-1, layer.out_channels, *shape)
+                pi += 2
             elif isinstance(layer, MaxPool2d):
                 h, winners = _pool_masks(h)
                 cache.append({"winners": winners})
+            elif isinstance(layer, LayerNorm | GroupNorm):
+                h, saved_norm = norm_forward(h, params[pi], params[pi + 1], layer)
+                cache.append({**saved_norm, "pi": pi})
+                pi += 2
+            elif isinstance(layer, AvgPool2d | AvgPool1d):
+                cache.append({"shape": tuple(h.shape[1:])})
+                h = avg_pool(h, layer)
+            elif isinstance(layer, GlobalAvgPool):
+                cache.append({"shape": tuple(h.shape[1:])})
+                h = h.mean(dim=tuple(range(2, 2 + layer.dims)), keepdim=True)
             elif isinstance(layer, Relu):
                 cache.append({"mask": (h > 0).to(h.dtype)})
                 h = torch.relu(h)
+            elif isinstance(layer, ACTIVATIONS):
+                h, deriv = activation(layer, h)
+                cache.append({"mask": deriv})
             elif isinstance(layer, Flatten):
                 cache.append({"shape": h.shape[1:]})
                 h = h.reshape(h.shape[0], -1)
@@ -124,7 +307,7 @@ class PerSampleGrad(nn.Module):
                 if c["pi"] == 0:  # nothing below the first layer needs a gradient
                     break
                 d = d @ c["w"]
-            elif isinstance(layer, Conv2d):
+            elif isinstance(layer, Conv2d | Conv1d):
                 dflat = d.reshape(d.shape[0], d.shape[1], -1)
                 gw = torch.matmul(dflat, c["cols"].transpose(1, 2))
                 gb = dflat.sum(dim=2)
@@ -135,10 +318,27 @@ class PerSampleGrad(nn.Module):
                 saved.append(("conv", (c["pi"], gw, gb)))
                 if c["pi"] == 0:
                     break
-                d = F.conv_transpose2d(d, c["w"])
+                if "layer" in c:
+                    d = conv_input_grad(d, c["w"], c["layer"], c["in_shape"])
+                else:
+                    d = F.conv_transpose2d(d, c["w"])
             elif isinstance(layer, MaxPool2d):
                 d = _unpool(d, c["winners"])
-            elif isinstance(layer, Relu):
+            elif isinstance(layer, LayerNorm | GroupNorm):
+                gw, gb = norm_backward(d, c, layer)
+                if masks is not None:
+                    gw, gb = gw * masks[c["pi"]], gb * masks[c["pi"] + 1]
+                sq = sq + (gw * gw).flatten(1).sum(dim=1) + (gb * gb).flatten(1).sum(dim=1)
+                saved.append(("norm", (c["pi"], gw, gb)))
+                if c["pi"] == 0:
+                    break
+                d = norm_input_grad(d, c)
+            elif isinstance(layer, AvgPool2d | AvgPool1d):
+                d = avg_unpool(d, layer, c["shape"])
+            elif isinstance(layer, GlobalAvgPool):
+                n = math.prod(c["shape"][1:])
+                d = (d * (1.0 / n)).expand(-1, *c["shape"])
+            elif isinstance(layer, ACTIVATIONS):
                 d = d * c["mask"]
             elif isinstance(layer, Flatten):
                 d = d.reshape((-1, *c["shape"]))
@@ -155,6 +355,11 @@ class PerSampleGrad(nn.Module):
                 if masks is not None:
                     grads[pi] = grads[pi] * masks[pi]
                     grads[pi + 1] = grads[pi + 1] * masks[pi + 1]
+            elif kind == "norm":
+                pi, gw, gb = payload
+                shape = self.spec.param_shapes()[pi][1]
+                grads[pi] = (gw * scale.reshape(-1, *([1] * len(shape)))).sum(dim=0)
+                grads[pi + 1] = (gb * scale.reshape(-1, *([1] * len(shape)))).sum(dim=0)
             else:
                 pi, gw, gb = payload
                 w_shape = self.spec.param_shapes()[pi][1]
@@ -177,13 +382,30 @@ class Logits(nn.Module):
             if isinstance(layer, Linear):
                 h = h @ params[pi].t() + params[pi + 1]
                 pi += 2
-            elif isinstance(layer, Conv2d):
+            elif _plain(layer):
                 h = F.conv2d(h, params[pi], params[pi + 1])
+                pi += 2
+            elif isinstance(layer, Conv2d):
+                h = F.conv2d(h, params[pi], params[pi + 1], stride=layer.stride,
+                             padding=layer.padding, dilation=layer.dilation)
+                pi += 2
+            elif isinstance(layer, Conv1d):
+                h = F.conv1d(h, params[pi], params[pi + 1], stride=layer.stride,
+                             padding=layer.padding, dilation=layer.dilation)
                 pi += 2
             elif isinstance(layer, MaxPool2d):
                 h = F.max_pool2d(h, 2)
             elif isinstance(layer, Relu):
                 h = torch.relu(h)
+            elif isinstance(layer, LayerNorm | GroupNorm):
+                h = norm_forward(h, params[pi], params[pi + 1], layer)[0]
+                pi += 2
+            elif isinstance(layer, AvgPool2d | AvgPool1d):
+                h = avg_pool(h, layer)
+            elif isinstance(layer, GlobalAvgPool):
+                h = h.mean(dim=tuple(range(2, 2 + layer.dims)), keepdim=True)
+            elif isinstance(layer, ACTIVATIONS):
+                h = activation(layer, h)[0]
             elif isinstance(layer, Flatten):
                 h = h.reshape(h.shape[0], -1)
         return h

@@ -12,7 +12,28 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_sdk.model import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, Relu
+from edge_sdk.model import (
+    BATCHNORM_REASON,
+    DROPOUT_REASON,
+    AvgPool1d,
+    AvgPool2d,
+    Conv1d,
+    Conv2d,
+    Flatten,
+    Gelu,
+    GlobalAvgPool,
+    GroupNorm,
+    Hardswish,
+    LayerNorm,
+    LeakyRelu,
+    Linear,
+    MaxPool2d,
+    ModelSpec,
+    Relu,
+    Sigmoid,
+    Tanh,
+    UnsupportedLayer,
+)
 
 
 def build_module(spec: ModelSpec, params: Sequence[np.ndarray] | None = None) -> nn.Sequential:
@@ -21,14 +42,39 @@ def build_module(spec: ModelSpec, params: Sequence[np.ndarray] | None = None) ->
     for layer in spec.layers:
         if isinstance(layer, Linear):
             mods.append(nn.Linear(layer.in_features, layer.out_features))
-        elif isinstance(layer, Conv2d):
-            mods.append(nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel))
+        elif isinstance(layer, Conv2d | Conv1d):
+            cls = nn.Conv2d if isinstance(layer, Conv2d) else nn.Conv1d
+            mods.append(cls(layer.in_channels, layer.out_channels, layer.kernel,
+                            stride=layer.stride, padding=layer.padding,
+                            dilation=layer.dilation))
         elif isinstance(layer, MaxPool2d):
             mods.append(nn.MaxPool2d(layer.kernel))
         elif isinstance(layer, Relu):
             mods.append(nn.ReLU())
         elif isinstance(layer, Flatten):
             mods.append(nn.Flatten())
+        elif isinstance(layer, AvgPool2d):
+            mods.append(nn.AvgPool2d(layer.kernel, layer.stride))
+        elif isinstance(layer, AvgPool1d):
+            mods.append(nn.AvgPool1d(layer.kernel, layer.stride))
+        elif isinstance(layer, GlobalAvgPool):
+            mods.append(nn.AdaptiveAvgPool2d(1) if layer.dims == 2 else nn.AdaptiveAvgPool1d(1))
+        elif isinstance(layer, LayerNorm):
+            mods.append(nn.LayerNorm(layer.normalized_shape, eps=layer.eps))
+        elif isinstance(layer, GroupNorm):
+            mods.append(nn.GroupNorm(layer.num_groups, layer.num_channels, eps=layer.eps))
+        elif isinstance(layer, Tanh):
+            mods.append(nn.Tanh())
+        elif isinstance(layer, Sigmoid):
+            mods.append(nn.Sigmoid())
+        elif isinstance(layer, Gelu):
+            mods.append(nn.GELU(approximate=layer.approximate))
+        elif isinstance(layer, LeakyRelu):
+            mods.append(nn.LeakyReLU(layer.negative_slope))
+        elif isinstance(layer, Hardswish):
+            mods.append(nn.Hardswish())
+        else:
+            raise UnsupportedLayer(f"no torch module for layer {layer!r}")
     module = nn.Sequential(*mods)
     if params is not None:
         load_params(module, params)
@@ -47,8 +93,24 @@ def load_params(module: nn.Module, params: Sequence[np.ndarray]) -> None:
             p.copy_(torch.as_tensor(np.asarray(v, dtype=np.float32)))
 
 
-_SUPPORTED = "Linear, Conv2d (square kernel, stride 1, no padding, no dilation/groups), " \
-    "MaxPool2d(2), ReLU, Flatten"
+_SUPPORTED = (
+    "Linear, Conv2d/Conv1d (with bias; square kernel, same stride, numeric zero padding and "
+    "dilation on both axes; no groups), MaxPool2d(2), AvgPool2d/AvgPool1d (square, no padding, "
+    "floor mode), AdaptiveAvgPool2d(1)/AdaptiveAvgPool1d(1), ReLU, Tanh, Sigmoid, GELU, LeakyReLU, "
+    "Hardswish, LayerNorm/GroupNorm (affine, with bias), Flatten"
+)
+
+
+def _one(value: int | tuple[int, ...]) -> int:
+    """The single value of an int or an all-equal tuple (callers check equality first)."""
+    return int(value) if isinstance(value, int) else int(value[0])
+
+
+def _pool_plain(mod: nn.Module) -> bool:
+    """An average pool the spec can say: square, no padding, floor mode, no divisor."""
+    same = all(isinstance(v, int) or len(set(v)) == 1 for v in (mod.kernel_size, mod.stride))
+    return (same and _one(mod.padding) == 0 and len(set(np.atleast_1d(mod.padding).tolist())) == 1
+            and not mod.ceil_mode and getattr(mod, "divisor_override", None) is None)
 
 
 def spec_from_module(
@@ -59,18 +121,20 @@ def spec_from_module(
     Raises:
         UnsupportedLayer: naming the first layer outside the supported set.
     """
-    from edge_sdk.model import UnsupportedLayer
-
     layers: list = []
     for i, mod in enumerate(module):
         kind = type(mod).__name__
         if isinstance(mod, nn.Linear) and mod.bias is not None:
             layers.append(Linear(in_features=mod.in_features, out_features=mod.out_features))
-        elif (isinstance(mod, nn.Conv2d) and mod.bias is not None
-              and mod.kernel_size[0] == mod.kernel_size[1] and mod.stride == (1, 1)
-              and mod.padding == (0, 0) and mod.dilation == (1, 1) and mod.groups == 1):
-            layers.append(Conv2d(in_channels=mod.in_channels, out_channels=mod.out_channels,
-                                 kernel=mod.kernel_size[0]))
+        elif (isinstance(mod, nn.Conv2d | nn.Conv1d) and mod.bias is not None
+              and len(set(mod.kernel_size)) == 1 and len(set(mod.stride)) == 1
+              and isinstance(mod.padding, tuple) and len(set(mod.padding)) == 1
+              and len(set(mod.dilation)) == 1 and mod.groups == 1
+              and mod.padding_mode == "zeros"):
+            cls = Conv2d if isinstance(mod, nn.Conv2d) else Conv1d
+            layers.append(cls(in_channels=mod.in_channels, out_channels=mod.out_channels,
+                              kernel=mod.kernel_size[0], stride=mod.stride[0],
+                              padding=mod.padding[0], dilation=mod.dilation[0]))
         elif (isinstance(mod, nn.MaxPool2d) and mod.kernel_size in (2, (2, 2))
               and mod.stride in (2, (2, 2)) and mod.padding in (0, (0, 0))):
             layers.append(MaxPool2d())
@@ -78,6 +142,33 @@ def spec_from_module(
             layers.append(Relu())
         elif isinstance(mod, nn.Flatten):
             layers.append(Flatten())
+        elif (isinstance(mod, nn.AvgPool2d | nn.AvgPool1d) and _pool_plain(mod)):
+            cls = AvgPool2d if isinstance(mod, nn.AvgPool2d) else AvgPool1d
+            layers.append(cls(kernel=_one(mod.kernel_size), stride=_one(mod.stride)))
+        elif (isinstance(mod, nn.AdaptiveAvgPool2d | nn.AdaptiveAvgPool1d)
+              and set(np.atleast_1d(mod.output_size).tolist()) == {1}):
+            layers.append(GlobalAvgPool(dims=2 if isinstance(mod, nn.AdaptiveAvgPool2d) else 1))
+        elif (isinstance(mod, nn.LayerNorm) and mod.elementwise_affine
+              and mod.bias is not None):
+            layers.append(LayerNorm(normalized_shape=tuple(mod.normalized_shape),
+                                    eps=float(mod.eps)))
+        elif isinstance(mod, nn.GroupNorm) and mod.affine:
+            layers.append(GroupNorm(num_groups=mod.num_groups, num_channels=mod.num_channels,
+                                    eps=float(mod.eps)))
+        elif isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            raise UnsupportedLayer(f"layer {i} ({kind}: {mod}): {BATCHNORM_REASON}")
+        elif isinstance(mod, nn.Tanh):
+            layers.append(Tanh())
+        elif isinstance(mod, nn.Sigmoid):
+            layers.append(Sigmoid())
+        elif isinstance(mod, nn.GELU):
+            layers.append(Gelu(approximate=mod.approximate))
+        elif isinstance(mod, nn.LeakyReLU):
+            layers.append(LeakyRelu(negative_slope=float(mod.negative_slope)))
+        elif isinstance(mod, nn.Hardswish):
+            layers.append(Hardswish())
+        elif isinstance(mod, nn.modules.dropout._DropoutNd):
+            raise UnsupportedLayer(f"layer {i} ({kind}: {mod}): {DROPOUT_REASON}")
         else:
             raise UnsupportedLayer(
                 f"layer {i} ({kind}: {mod}) cannot be exported for per-sample gradients; "

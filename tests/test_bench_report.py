@@ -177,6 +177,18 @@ def test_step_flops_by_hand() -> None:
     spec = build_spec("cnn", (1, 28, 28), 10)
     assert step_flops(spec) == 2 * (2 * 144_000 + 3 * (320_000 + 16_000 + 500))
     assert step_flops(build_spec("logreg", (1, 28, 28), 10)) == 2 * 2 * 7840
+    # Strided padded conv 1->4, k3 s2 p1 on 9x9: 5*5*4*9 = 900 MACs, fc 100*2 = 200; a 1-D
+    # model: conv1d 3->4 k3 on 7 gives 5*4*3*3, dilated conv1d 4->2 k3 d2 on 5 gives 1*2*4*3.
+    from edge_sdk.model import Conv1d, Conv2d, Flatten, GroupNorm, Linear, ModelSpec, Tanh
+
+    spec = ModelSpec(name="s", input_shape=(1, 9, 9), num_classes=2, layers=(
+        Conv2d(in_channels=1, out_channels=4, kernel=3, stride=2, padding=1), Tanh(), Flatten(),
+        Linear(in_features=100, out_features=2)))
+    assert step_flops(spec) == 2 * (2 * 900 + 3 * 200)
+    seq = ModelSpec(name="t", input_shape=(3, 7), num_classes=2, layers=(
+        Conv1d(in_channels=3, out_channels=4, kernel=3), GroupNorm(num_groups=2, num_channels=4),
+        Conv1d(in_channels=4, out_channels=2, kernel=3, dilation=2), Flatten()))
+    assert step_flops(seq) == 2 * (2 * 5 * 4 * 3 * 3 + 3 * 1 * 2 * 4 * 3)
 
 
 def test_installed_size_follows_requirements() -> None:

@@ -1,8 +1,8 @@
 """Physical floors the benchmarks are set beside: matmul FLOPs, sgemm rate, memory bandwidth.
 
 * :func:`step_flops` counts the multiply-adds of one sample's forward and backward pass
-  through a zoo model (conv and linear layers only: pooling, ReLU, the loss, clipping and
-  the noise are not counted), as 2 FLOPs each. The backward pass is the weight gradient
+  through a model (conv and linear layers only: pooling, norms, activations, the loss,
+  clipping and the noise are not counted), as 2 FLOPs each. The backward pass is the weight gradient
   (as many multiply-adds as the forward) plus the input gradient of every layer but the
   first. Per-sample weight gradients, which DP-SGD needs, cost no more multiply-adds than
   the batch's summed gradient; they only cost memory traffic.
@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -25,29 +26,22 @@ from typing import Any
 
 import numpy as np
 
-from edge_sdk.model import Conv2d, Linear, MaxPool2d, ModelSpec
+from edge_sdk.model import Conv1d, Conv2d, Linear, ModelSpec
 
 __all__ = ["add_seconds", "sgemm_gflops", "step_flops"]
 
 
 def step_flops(spec: ModelSpec) -> int:
     """Matmul FLOPs of one sample's forward + backward pass (see the module docstring)."""
-    shape = tuple(spec.input_shape)
     total_macs = 0
     first = True
-    for layer in spec.layers:
+    for layer, out in zip(spec.layers, spec.layer_shapes(), strict=True):
         if isinstance(layer, Linear):
             macs = layer.in_features * layer.out_features
-            shape = (layer.out_features,)
-        elif isinstance(layer, Conv2d):
-            k = layer.kernel
-            h, w = shape[1] - k + 1, shape[2] - k + 1
-            macs = h * w * layer.out_channels * layer.in_channels * k * k
-            shape = (layer.out_channels, h, w)
-        elif isinstance(layer, MaxPool2d):
-            shape = (shape[0], shape[1] // 2, shape[2] // 2)
-            continue
-        else:  # ReLU keeps the shape; Flatten's shape does not matter to the count
+        elif isinstance(layer, Conv2d | Conv1d):
+            taps = layer.kernel ** (2 if isinstance(layer, Conv2d) else 1)
+            macs = math.prod(out[1:]) * layer.out_channels * layer.in_channels * taps
+        else:  # pooling, norms, activations, Flatten: not matmuls
             continue
         # forward + weight gradient, + input gradient except for the first layer
         total_macs += macs * (2 if first else 3)

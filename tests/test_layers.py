@@ -1,0 +1,606 @@
+"""Issue 17's wider layer set: per-sample gradients against torch.func, for the torch graph
+module (eager, hypothesis over shapes), the numpy engine, and the exported ONNX graph (one
+fixed model per layer family); one DP-SGD step per family against Opacus. torch is allowed
+here: these are reference tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.func import functional_call, grad, vmap
+
+from edge_sdk.engine import GradResult, NumpyEngine, load_engine
+from edge_sdk.model import (
+    Flatten,
+    Gelu,
+    Hardswish,
+    LeakyRelu,
+    Linear,
+    ModelSpec,
+    Sigmoid,
+    Tanh,
+    UnsupportedLayer,
+    init_params,
+)
+from edge_sdk.train import dp_sgd_step
+from models.export import export_variant
+from models.persample import PerSampleGrad
+from models.zoo import build_module, spec_from_module
+
+pytestmark = pytest.mark.reference
+
+HYPO = settings(max_examples=20, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+class TorchGraph:
+    """The per-sample graph module run eagerly, with the engine's contract."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+
+    def clipped_grad_sum(self, params, x, y, clip, masks=None) -> GradResult:
+        graph = PerSampleGrad(self.spec, masked=masks is not None)
+        ts = [torch.tensor(p) for p in params]
+        ms = [] if masks is None else [torch.tensor(m) for m in masks]
+        with torch.no_grad():
+            out = graph(*ts, *ms, torch.tensor(x), torch.tensor(y),
+                        torch.tensor(clip, dtype=torch.float32))
+        return GradResult(out[0].numpy(), out[1].numpy(), [g.numpy() for g in out[2:]])
+
+
+def _torch_per_sample(spec: ModelSpec, params, x, y) -> np.ndarray:
+    module = build_module(spec, params)
+    names = [n for n, _ in module.named_parameters()]
+    weights = {n: p.detach() for n, p in module.named_parameters()}
+
+    def loss(w, xi, yi):
+        out = functional_call(module, w, (xi[None],))
+        return torch.nn.functional.cross_entropy(out, yi[None])
+
+    g = vmap(grad(loss), in_dims=(None, 0, 0))(weights, torch.tensor(x), torch.tensor(y))
+    return torch.cat([g[n].reshape(len(y), -1) for n in names], dim=1).numpy()
+
+
+def _batch(spec: ModelSpec, b: int, rng: np.random.Generator):
+    x = (2.0 * rng.standard_normal((b, *spec.input_shape))).astype(np.float32)
+    return x, rng.integers(0, spec.num_classes, b)
+
+
+def check_against_torch_func(spec: ModelSpec, engines, *, b: int, seed: int,
+                             params=None, x=None, y=None) -> None:
+    """Per-sample gradients (numpy engine), norms and clipped sums (every engine, with and
+    without a rand-k mask) equal torch.func's to float32 tolerance."""
+    rng = np.random.default_rng(seed)
+    params = init_params(spec, rng) if params is None else params
+    if x is None:
+        x, y = _batch(spec, b, rng)
+    b = len(y)
+    ref = _torch_per_sample(spec, params, x, y)
+    # float32: relative 1e-5 of the largest entry, plus 2e-6 absolute for confident
+    # predictions, where d = softmax - onehot cancels (|d| ~ 1e-3 carries ~1e-7 of rounding,
+    # times activations of a few units; torch.func's own float32 error is of that size).
+    tol = 1e-5 * float(np.abs(ref).max()) + 2e-6
+    logits = build_module(spec, params)(torch.tensor(x)).detach().numpy()
+    for engine in engines:
+        if not isinstance(engine, TorchGraph):  # the inference graph / numpy forward
+            np.testing.assert_allclose(engine.logits(params, x), logits, rtol=1e-5,
+                                       atol=1e-5 * max(1.0, float(np.abs(logits).max())))
+        if isinstance(engine, NumpyEngine):
+            np.testing.assert_allclose(engine.per_sample_grads(params, x, y), ref,
+                                       rtol=0, atol=tol)
+    masks = [(rng.random(p.shape) < 0.4).astype(np.float32) for p in params]
+    keep = np.concatenate([m.ravel() for m in masks]).astype(bool)
+    for mask in (None, masks):
+        sel = ref if mask is None else ref[:, keep]
+        ref_norms = np.linalg.norm(sel.astype(np.float64), axis=1)
+        for clip in (np.inf, 0.5 * float(np.median(ref_norms)) + 1e-3):
+            factor = np.minimum(1.0, clip / np.maximum(ref_norms, 1e-30))
+            ref_sum = (sel * factor[:, None]).sum(axis=0)
+            for engine in engines:
+                res = engine.clipped_grad_sum(params, x, y, clip, masks=mask)
+                np.testing.assert_allclose(res.norms, ref_norms, rtol=1e-5, atol=tol)
+                got = np.concatenate([g.ravel() for g in res.clipped_sum])
+                if mask is not None:
+                    assert not got[~keep].any()
+                    got = got[keep]
+                np.testing.assert_allclose(got, ref_sum, rtol=0, atol=tol * max(1, b / 8))
+
+
+def check_opacus_step(spec: ModelSpec, engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One noisy DP-SGD step through ``engine`` equals Opacus' (same injected noise)."""
+    import opacus.optimizers.optimizer as opt_mod
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    rng = np.random.default_rng(3)
+    params = init_params(spec, rng)
+    b, clip, z, lr = 16, 0.7, 1.3, 0.1
+    x, y = _batch(spec, b, rng)
+    noise = [rng.normal(0, z * clip, size=p.shape).astype(np.float32) for p in params]
+    theta = [p.copy() for p in params]
+    dp_sgd_step(engine, theta, x, y, clip=clip, noise=noise, lr=lr, denom=b)
+
+    injected = iter(noise)
+    monkeypatch.setattr(
+        opt_mod, "_generate_noise",
+        lambda std, reference, generator=None, secure_mode=False: torch.tensor(next(injected)),
+    )
+    module = GradSampleModule(build_module(spec, params), loss_reduction="mean")
+    opt = DPOptimizer(torch.optim.SGD(module.parameters(), lr=lr), noise_multiplier=z,
+                      max_grad_norm=clip, expected_batch_size=b, loss_reduction="mean")
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(module(torch.tensor(x)), torch.tensor(y)).backward()
+    opt.step()
+    for mine, ref in zip(theta, module.parameters(), strict=True):
+        r = ref.detach().numpy()
+        np.testing.assert_allclose(mine, r, rtol=0, atol=1e-5 * max(1.0, np.abs(r).max()))
+
+
+def both(spec: ModelSpec) -> tuple:
+    return TorchGraph(spec), NumpyEngine(spec)
+
+
+# --- 1. activations -------------------------------------------------------------------------
+
+ACTS = st.one_of(
+    st.builds(Tanh), st.builds(Sigmoid), st.builds(Hardswish),
+    st.sampled_from(["none", "tanh"]).map(lambda a: Gelu(approximate=a)),
+    st.floats(0.0, 0.5).map(lambda s: LeakyRelu(negative_slope=s)),
+)
+
+
+def _act_spec(d: int, hidden: int, classes: int, acts) -> ModelSpec:
+    layers: list = [Linear(in_features=d, out_features=hidden)]
+    for act in acts:
+        layers += [act, Linear(in_features=hidden, out_features=hidden)]
+    layers[-1] = Linear(in_features=hidden, out_features=classes)
+    return ModelSpec(name="acts", input_shape=(d,), num_classes=classes, layers=tuple(layers))
+
+
+@HYPO
+@given(acts=st.lists(ACTS, min_size=1, max_size=3), d=st.integers(1, 7),
+       hidden=st.integers(1, 9), classes=st.integers(2, 4), b=st.integers(1, 6),
+       seed=st.integers(0, 2**16))
+def test_activations_match_torch_func(acts, d, hidden, classes, b, seed) -> None:
+    spec = _act_spec(d, hidden, classes, acts)
+    check_against_torch_func(spec, both(spec), b=b, seed=seed)
+
+
+@pytest.mark.parametrize("act", [Hardswish(), LeakyRelu(negative_slope=0.2),
+                                 Gelu(), Gelu(approximate="tanh"), Sigmoid(), Tanh()],
+                         ids=lambda a: f"{a.kind}")
+def test_activation_gradients_at_the_kinks_follow_torch(act) -> None:
+    """Pre-activations exactly at -3, 0, 3 (Hardswish's and LeakyReLU's kinks)."""
+    spec = ModelSpec(name="kinks", input_shape=(4,), num_classes=3, layers=(
+        Linear(in_features=4, out_features=5), act, Linear(in_features=5, out_features=3)))
+    rng = np.random.default_rng(0)
+    params = init_params(spec, rng)
+    params[0][:] = 0.0
+    params[1][:] = np.array([-3.0, 0.0, 3.0, -1.0, 1.5], dtype=np.float32)
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    y = np.array([0, 1, 2, 0, 1])
+    check_against_torch_func(spec, both(spec), b=5, seed=1, params=params, x=x, y=y)
+
+
+ACT_MODEL = _act_spec(6, 8, 3, [Tanh(), Sigmoid(), Gelu(), Gelu(approximate="tanh"),
+                                LeakyRelu(negative_slope=0.2), Hardswish()])
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory):
+    """Export a spec once per module; returns its ONNX engine."""
+    done: dict[str, object] = {}
+    root: Path = tmp_path_factory.mktemp("onnx")
+
+    def get(spec: ModelSpec):
+        key = repr(spec)
+        if key not in done:
+            out = root / f"m{len(done)}"
+            done[key] = load_engine(export_variant(spec, out))
+        return done[key]
+
+    return get
+
+
+@pytest.mark.slow  # one export per family; ALL_MODELS covers each kind by default
+@pytest.mark.parametrize("b", [1, 9])
+def test_activation_model_onnx_graph_matches_torch_func(exported, b: int) -> None:
+    check_against_torch_func(ACT_MODEL, (exported(ACT_MODEL),), b=b, seed=b)
+
+
+@pytest.mark.slow  # one export per family; ALL_MODELS covers each kind by default
+def test_activation_model_step_matches_opacus(exported, monkeypatch) -> None:
+    check_opacus_step(ACT_MODEL, exported(ACT_MODEL), monkeypatch)
+
+
+def test_activation_modules_export_and_dropout_is_refused_with_a_reason() -> None:
+    from torch import nn
+
+    module = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.GELU(),
+                           nn.Linear(8, 8), nn.GELU(approximate="tanh"), nn.Linear(8, 8),
+                           nn.LeakyReLU(0.2), nn.Linear(8, 8), nn.Sigmoid(), nn.Linear(8, 8),
+                           nn.Hardswish(), nn.Linear(8, 3))
+    spec = spec_from_module(module, (6,), 3)
+    assert [layer.kind for layer in spec.layers[1::2]] == [
+        "tanh", "gelu", "gelu", "leakyrelu", "sigmoid", "hardswish"]
+    assert spec.layers[5] == Gelu(approximate="tanh") and spec.layers[3] == Gelu()
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+    with pytest.raises(UnsupportedLayer, match=r"layer 1 \(Dropout.*no dropout-mask input"):
+        spec_from_module(nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.1), nn.Linear(8, 3)),
+                         (6,), 3)
+    data = spec.to_dict()
+    data["layers"].insert(1, {"kind": "dropout", "p": 0.1})
+    with pytest.raises(UnsupportedLayer, match="'dropout'.*no dropout-mask input"):
+        ModelSpec.from_dict(data)
+    with pytest.raises(UnsupportedLayer, match="approximate"):
+        Gelu(approximate="fast")
+
+
+def test_flatten_first_then_activation_spec_is_fine() -> None:
+    spec = ModelSpec(name="f", input_shape=(2, 3), num_classes=2, layers=(
+        Flatten(), Tanh(), Linear(in_features=6, out_features=2)))
+    check_against_torch_func(spec, both(spec), b=3, seed=0)
+
+
+# --- 2. convolutions: stride, padding, dilation; Conv1d -------------------------------------
+
+GEOM = st.fixed_dictionaries({"kernel": st.integers(1, 4), "stride": st.integers(1, 3),
+                              "padding": st.integers(0, 2), "dilation": st.integers(1, 3)})
+
+
+def _conv_spec(cls, c0: int, c1: int, c2: int, spatial: tuple[int, ...], g1, g2, act,
+               classes: int) -> ModelSpec | None:
+    """conv -> act -> conv -> flatten -> linear, or None if the geometry does not fit."""
+    from edge_sdk.model import _out_shape
+
+    first = cls(in_channels=c0, out_channels=c1, **g1)
+    second = cls(in_channels=c1, out_channels=c2, **g2)
+    try:
+        shape = _out_shape(second, _out_shape(first, (c0, *spatial), 0), 2)
+    except ValueError:
+        return None
+    n = int(np.prod(shape))
+    return ModelSpec(name="conv", input_shape=(c0, *spatial), num_classes=classes, layers=(
+        first, act, second, Flatten(), Linear(in_features=n, out_features=classes)))
+
+
+@HYPO
+@given(c=st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 3)),
+       hw=st.tuples(st.integers(1, 10), st.integers(1, 10)), g1=GEOM, g2=GEOM, act=ACTS,
+       b=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_conv2d_stride_padding_dilation_match_torch_func(c, hw, g1, g2, act, b, seed) -> None:
+    from hypothesis import assume
+
+    from edge_sdk.model import Conv2d
+
+    spec = _conv_spec(Conv2d, *c, hw, g1, g2, act, 3)
+    assume(spec is not None)
+    check_against_torch_func(spec, both(spec), b=b, seed=seed)
+
+
+@HYPO
+@given(c=st.tuples(st.integers(1, 3), st.integers(1, 4), st.integers(1, 3)),
+       length=st.integers(1, 24), g1=GEOM, g2=GEOM, act=ACTS, b=st.integers(1, 5),
+       seed=st.integers(0, 2**16))
+def test_conv1d_match_torch_func(c, length, g1, g2, act, b, seed) -> None:
+    from hypothesis import assume
+
+    from edge_sdk.model import Conv1d
+
+    spec = _conv_spec(Conv1d, *c, (length,), g1, g2, act, 2)
+    assume(spec is not None)
+    check_against_torch_func(spec, both(spec), b=b, seed=seed)
+
+
+def _conv_models() -> dict[str, ModelSpec]:
+    from edge_sdk.model import Conv1d, Conv2d, Relu
+
+    c2 = _conv_spec(Conv2d, 2, 4, 3, (9, 8), dict(kernel=3, stride=2, padding=1),
+                    dict(kernel=2, stride=1, padding=2, dilation=2), Relu(), 4)
+    c1 = _conv_spec(Conv1d, 3, 4, 4, (17,), dict(kernel=5, stride=2, padding=2),
+                    dict(kernel=3, stride=3, padding=1, dilation=2), Gelu(), 3)
+    return {"conv2d": c2, "conv1d": c1}
+
+
+CONV_MODELS = _conv_models()
+
+
+@pytest.mark.slow  # one export per family; ALL_MODELS covers each kind by default
+@pytest.mark.parametrize("which", sorted(CONV_MODELS))
+@pytest.mark.parametrize("b", [1, 9])
+def test_conv_models_onnx_graph_matches_torch_func(exported, which: str, b: int) -> None:
+    spec = CONV_MODELS[which]
+    check_against_torch_func(spec, (exported(spec),), b=b, seed=b)
+
+
+@pytest.mark.slow  # one export per family; ALL_MODELS covers each kind by default
+@pytest.mark.parametrize("which", sorted(CONV_MODELS))
+def test_conv_models_step_matches_opacus(exported, which: str, monkeypatch) -> None:
+    check_opacus_step(CONV_MODELS[which], exported(CONV_MODELS[which]), monkeypatch)
+
+
+def test_conv_modules_export_and_the_rest_is_named() -> None:
+    from torch import nn
+
+    from edge_sdk.model import Conv1d, Conv2d
+
+    module = nn.Sequential(nn.Conv1d(3, 4, 5, stride=2, padding=2), nn.ReLU(),
+                           nn.Conv1d(4, 2, 3, dilation=2), nn.Flatten(), nn.Linear(10, 2))
+    spec = spec_from_module(module, (3, 17), 2)
+    assert spec.layers[0] == Conv1d(in_channels=3, out_channels=4, kernel=5, stride=2,
+                                    padding=2)
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+    strided = spec_from_module(nn.Sequential(nn.Conv2d(1, 2, 3, stride=2, padding=1,
+                                                       dilation=2), nn.Flatten(),
+                                             nn.Linear(2 * 13 * 13, 3)), (1, 28, 28), 3)
+    assert strided.layers[0] == Conv2d(in_channels=1, out_channels=2, kernel=3, stride=2,
+                                       padding=1, dilation=2)
+    for bad in (nn.Conv2d(4, 4, 3, groups=2), nn.Conv2d(1, 4, (3, 5)),
+                nn.Conv2d(1, 4, 3, stride=(1, 2)), nn.Conv2d(1, 4, 3, padding="same"),
+                nn.Conv2d(1, 4, 3, bias=False)):
+        with pytest.raises(UnsupportedLayer, match=r"layer 0 \(Conv2d"):
+            spec_from_module(nn.Sequential(bad), (bad.in_channels, 12, 12), 3)
+    with pytest.raises(ValueError, match="stride must be an int >= 1"):
+        Conv1d(in_channels=1, out_channels=1, kernel=3, stride=0)
+    with pytest.raises(ValueError, match=r"kernel 5 \(dilation 2, padding 0\) larger"):
+        ModelSpec(name="x", input_shape=(1, 8), num_classes=2, layers=(
+            Conv1d(in_channels=1, out_channels=2, kernel=5, dilation=2),))
+
+
+# --- 3. average pooling and global average pooling ------------------------------------------
+
+def _pool_spec(dims: int, c: tuple[int, int, int], spatial: tuple[int, ...], pool_k: int,
+               pool_s: int, k2: int, global_pool: bool, act, classes: int) -> ModelSpec | None:
+    """conv -> act -> avgpool -> conv -> (global avg pool) -> flatten -> linear, or None if
+    the shapes do not fit."""
+    from edge_sdk.model import (
+        AvgPool1d,
+        AvgPool2d,
+        Conv1d,
+        Conv2d,
+        GlobalAvgPool,
+        _out_shape,
+    )
+
+    conv, pool = (Conv2d, AvgPool2d) if dims == 2 else (Conv1d, AvgPool1d)
+    layers = [conv(in_channels=c[0], out_channels=c[1], kernel=2, padding=1), act,
+              pool(kernel=pool_k, stride=pool_s),
+              conv(in_channels=c[1], out_channels=c[2], kernel=k2)]
+    if global_pool:
+        layers.append(GlobalAvgPool(dims=dims))
+    shape = (c[0], *spatial)
+    try:
+        for i, layer in enumerate(layers):
+            shape = _out_shape(layer, shape, i)
+    except ValueError:
+        return None
+    layers += [Flatten(), Linear(in_features=int(np.prod(shape)), out_features=classes)]
+    return ModelSpec(name="pool", input_shape=(c[0], *spatial), num_classes=classes,
+                     layers=tuple(layers))
+
+
+@HYPO
+@given(dims=st.sampled_from([1, 2]),
+       c=st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 3)),
+       spatial=st.tuples(st.integers(1, 12), st.integers(1, 12)), pool_k=st.integers(1, 3),
+       pool_s=st.integers(1, 3), k2=st.integers(1, 2), global_pool=st.booleans(), act=ACTS,
+       b=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_average_pooling_matches_torch_func(dims, c, spatial, pool_k, pool_s, k2, global_pool,
+                                            act, b, seed) -> None:
+    from hypothesis import assume
+
+    spec = _pool_spec(dims, c, spatial[:dims], pool_k, pool_s, k2, global_pool, act, 3)
+    assume(spec is not None)
+    check_against_torch_func(spec, both(spec), b=b, seed=seed)
+
+
+POOL_MODELS = {
+    "avgpool2d": _pool_spec(2, (2, 4, 3), (11, 9), 3, 2, 2, True, Tanh(), 4),
+    "avgpool1d": _pool_spec(1, (3, 4, 4), (19,), 2, 3, 1, True, Hardswish(), 3),
+}
+
+
+@pytest.mark.slow  # one export per family; ALL_MODELS covers each kind by default
+@pytest.mark.parametrize("which", sorted(POOL_MODELS))
+@pytest.mark.parametrize("b", [1, 9])
+def test_pool_models_onnx_graph_matches_torch_func(exported, which: str, b: int) -> None:
+    spec = POOL_MODELS[which]
+    check_against_torch_func(spec, (exported(spec),), b=b, seed=b)
+
+
+@pytest.mark.slow  # one export per family; ALL_MODELS covers each kind by default
+@pytest.mark.parametrize("which", sorted(POOL_MODELS))
+def test_pool_models_step_matches_opacus(exported, which: str, monkeypatch) -> None:
+    check_opacus_step(POOL_MODELS[which], exported(POOL_MODELS[which]), monkeypatch)
+
+
+def test_pool_modules_export_and_the_rest_is_named() -> None:
+    from torch import nn
+
+    from edge_sdk.model import AvgPool1d, AvgPool2d, GlobalAvgPool
+
+    module = nn.Sequential(nn.Conv1d(3, 4, 3), nn.ReLU(), nn.AvgPool1d(2), nn.Conv1d(4, 4, 3),
+                           nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(4, 2))
+    spec = spec_from_module(module, (3, 20), 2)
+    assert spec.layers[2] == AvgPool1d(kernel=2, stride=2)
+    assert spec.layers[4] == GlobalAvgPool(dims=1)
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+    image = nn.Sequential(nn.Conv2d(1, 2, 3), nn.AvgPool2d(3, stride=2),
+                          nn.AdaptiveAvgPool2d((1, 1)), nn.Flatten(), nn.Linear(2, 3))
+    spec = spec_from_module(image, (1, 12, 12), 3)
+    assert spec.layers[1:3] == (AvgPool2d(kernel=3, stride=2), GlobalAvgPool(dims=2))
+    for bad in (nn.AvgPool2d(2, padding=1), nn.AvgPool2d(2, ceil_mode=True),
+                nn.AvgPool2d((2, 3)), nn.AvgPool2d(2, divisor_override=3),
+                nn.AdaptiveAvgPool2d(2)):
+        with pytest.raises(UnsupportedLayer, match=r"layer 0 \((Adaptive)?AvgPool2d"):
+            spec_from_module(nn.Sequential(bad), (1, 8, 8), 3)
+    with pytest.raises(ValueError, match=r"dims=2\) expects a rank-3"):
+        ModelSpec(name="x", input_shape=(2, 8), num_classes=2, layers=(GlobalAvgPool(),))
+
+
+# --- 4. LayerNorm / GroupNorm; BatchNorm refused --------------------------------------------
+
+def _norm_spec(variant: str, groups: int, per_group: int, size: int, first: bool, act,
+               classes: int) -> ModelSpec:
+    """A norm layer between parameter layers (or first, when ``first``), over the shapes the
+    variant names: 'ln-vec' [F], 'ln-seq' [C, L] over (C, L), 'ln-last' [C, L] over (L,),
+    'gn-img' [C, H, W], 'gn-seq' [C, L], 'gn-vec' [C]."""
+    from edge_sdk.model import Conv1d, Conv2d, GroupNorm, LayerNorm
+
+    c = groups * per_group
+    if variant == "ln-vec":
+        body, shape, norm = [Linear(in_features=3, out_features=c)], (3,), LayerNorm(
+            normalized_shape=(c,))
+        out = (c,)
+    elif variant in ("ln-seq", "ln-last", "gn-seq"):
+        body, shape = [Conv1d(in_channels=2, out_channels=c, kernel=2)], (2, size + 1)
+        out = (c, size)
+        norm = {"ln-seq": LayerNorm(normalized_shape=out),
+                "ln-last": LayerNorm(normalized_shape=(size,), eps=1e-3),
+                "gn-seq": GroupNorm(num_groups=groups, num_channels=c)}[variant]
+    elif variant == "gn-img":
+        body, shape = [Conv2d(in_channels=2, out_channels=c, kernel=2)], (2, size + 1, size)
+        out, norm = (c, size, size - 1), GroupNorm(num_groups=groups, num_channels=c, eps=1e-4)
+    else:  # gn-vec
+        body, shape, out = [Linear(in_features=3, out_features=c)], (3,), (c,)
+        norm = GroupNorm(num_groups=groups, num_channels=c)
+    if first:
+        body, shape = [], out
+    n = int(np.prod(out))
+    tail = [Flatten()] if len(out) > 1 else []
+    layers = (*body, norm, act, *tail, Linear(in_features=n, out_features=classes))
+    return ModelSpec(name="norm", input_shape=shape, num_classes=classes, layers=layers)
+
+
+NORM_VARIANTS = ["ln-vec", "ln-seq", "ln-last", "gn-img", "gn-seq", "gn-vec"]
+
+
+def _perturbed(spec: ModelSpec, rng: np.random.Generator) -> list[np.ndarray]:
+    """init_params, with the norms' identity affine maps moved off 1 and 0."""
+    return [p + rng.normal(0, 0.3, p.shape).astype(np.float32) for p in init_params(spec, rng)]
+
+
+@HYPO
+@given(variant=st.sampled_from(NORM_VARIANTS), groups=st.integers(1, 3),
+       per_group=st.integers(1, 3), size=st.integers(2, 6), first=st.booleans(), act=ACTS,
+       b=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_norms_match_torch_func(variant, groups, per_group, size, first, act, b, seed) -> None:
+    from hypothesis import assume
+
+    assume(variant != "gn-vec" or per_group > 1)  # groups of one value are refused
+    spec = _norm_spec(variant, groups, per_group, size, first, act, 3)
+    rng = np.random.default_rng(seed)
+    params = _perturbed(spec, rng)
+    x, y = _batch(spec, b, rng)
+    check_against_torch_func(spec, both(spec), b=b, seed=seed, params=params, x=x, y=y)
+
+
+def _norm_models() -> dict[str, ModelSpec]:
+    from edge_sdk.model import Relu
+
+    return {"layernorm": _norm_spec("ln-seq", 2, 2, 6, False, Gelu(), 3),
+            "groupnorm": _norm_spec("gn-img", 2, 2, 5, False, Relu(), 4)}
+
+
+NORM_MODELS = _norm_models()
+
+
+@pytest.mark.slow  # one export per family; ALL_MODELS covers each kind by default
+@pytest.mark.parametrize("which", sorted(NORM_MODELS))
+@pytest.mark.parametrize("b", [1, 9])
+def test_norm_models_onnx_graph_matches_torch_func(exported, which: str, b: int) -> None:
+    spec = NORM_MODELS[which]
+    rng = np.random.default_rng(b)
+    params = _perturbed(spec, rng)
+    x, y = _batch(spec, b, rng)
+    check_against_torch_func(spec, (exported(spec),), b=b, seed=b, params=params, x=x, y=y)
+
+
+@pytest.mark.slow  # one export per family; ALL_MODELS covers each kind by default
+@pytest.mark.parametrize("which", sorted(NORM_MODELS))
+def test_norm_models_step_matches_opacus(exported, which: str, monkeypatch) -> None:
+    check_opacus_step(NORM_MODELS[which], exported(NORM_MODELS[which]), monkeypatch)
+
+
+def test_norm_modules_export_and_batchnorm_is_refused_with_why_and_what_instead() -> None:
+    from torch import nn
+
+    from edge_sdk.model import GroupNorm, LayerNorm
+
+    module = nn.Sequential(nn.Conv1d(2, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(),
+                           nn.LayerNorm(8, eps=1e-3), nn.Flatten(), nn.Linear(32, 2))
+    spec = spec_from_module(module, (2, 10), 2)
+    assert spec.layers[1] == GroupNorm(num_groups=2, num_channels=4)
+    assert spec.layers[3] == LayerNorm(normalized_shape=(8,), eps=1e-3)
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+    assert [s for _, s in spec.param_shapes()][2:6] == [(4,), (4,), (8,), (8,)]
+    params = init_params(spec, np.random.default_rng(0))
+    assert (params[2] == 1).all() and (params[3] == 0).all() and (params[4] == 1).all()
+    for bad, name in ((nn.BatchNorm1d(4), "BatchNorm1d"), (nn.BatchNorm2d(4), "BatchNorm2d")):
+        with pytest.raises(UnsupportedLayer, match=rf"layer 1 \({name}.*other samples.*"
+                                                  r"Use GroupNorm.*or LayerNorm"):
+            spec_from_module(nn.Sequential(nn.Conv2d(1, 4, 3), bad), (1, 8, 8), 2)
+    data = spec.to_dict()
+    data["layers"][1] = {"kind": "batchnorm2d", "num_features": 4}
+    with pytest.raises(UnsupportedLayer, match="batchnorm2d.*per-sample gradients"):
+        ModelSpec.from_dict(data)
+    for bad in (nn.LayerNorm(8, elementwise_affine=False), nn.GroupNorm(2, 4, affine=False)):
+        with pytest.raises(UnsupportedLayer, match=r"layer 0 \((Layer|Group)Norm"):
+            spec_from_module(nn.Sequential(bad), (4, 8), 2)
+    with pytest.raises(ValueError, match="groups of one value"):
+        _norm_spec("gn-vec", 3, 1, 2, False, Tanh(), 2)
+    with pytest.raises(ValueError, match="num_groups >= 1 dividing num_channels"):
+        GroupNorm(num_groups=3, num_channels=4)
+
+
+# --- every new kind in two exported models (the default suite's ONNX coverage) --------------
+
+def _all_models() -> dict[str, ModelSpec]:
+    from edge_sdk.model import (
+        AvgPool1d,
+        AvgPool2d,
+        Conv1d,
+        Conv2d,
+        GlobalAvgPool,
+        GroupNorm,
+        LayerNorm,
+    )
+
+    seq = ModelSpec(name="seq", input_shape=(3, 20), num_classes=3, layers=(
+        Conv1d(in_channels=3, out_channels=4, kernel=5, stride=2, padding=2),   # 4 x 10
+        GroupNorm(num_groups=2, num_channels=4), Gelu(), AvgPool1d(kernel=2),   # 4 x 5
+        Conv1d(in_channels=4, out_channels=4, kernel=3, padding=1, dilation=2),  # 4 x 3
+        LayerNorm(normalized_shape=(4, 3)), Hardswish(), GlobalAvgPool(dims=1), Flatten(),
+        Linear(in_features=4, out_features=6), LeakyRelu(negative_slope=0.1),
+        Linear(in_features=6, out_features=3)))
+    img = ModelSpec(name="img", input_shape=(2, 11, 9), num_classes=4, layers=(
+        Conv2d(in_channels=2, out_channels=4, kernel=3, stride=2, padding=1),   # 4 x 6 x 5
+        LayerNorm(normalized_shape=(5,)), Tanh(), AvgPool2d(kernel=2, stride=1),  # 4 x 5 x 4
+        Conv2d(in_channels=4, out_channels=3, kernel=2, padding=1, dilation=2),  # 3 x 4 x 3
+        GroupNorm(num_groups=3, num_channels=3), Sigmoid(), GlobalAvgPool(dims=2), Flatten(),
+        Linear(in_features=3, out_features=5), Gelu(approximate="tanh"),
+        Linear(in_features=5, out_features=4)))
+    return {"seq": seq, "img": img}
+
+
+ALL_MODELS = _all_models()
+
+
+@pytest.mark.parametrize("which", sorted(ALL_MODELS))
+def test_every_new_kind_onnx_graphs_match_torch_func_and_opacus(exported, which: str,
+                                                                 monkeypatch) -> None:
+    spec = ALL_MODELS[which]
+    engine = exported(spec)
+    for b in (1, 9):
+        rng = np.random.default_rng(b)
+        params = _perturbed(spec, rng)
+        x, y = _batch(spec, b, rng)
+        check_against_torch_func(spec, (engine, NumpyEngine(spec)), b=b, seed=b,
+                                 params=params, x=x, y=y)
+    check_opacus_step(spec, engine, monkeypatch)
