@@ -27,7 +27,7 @@ reservation; the mechanism draws from it in its own fixed order (plan15 R8).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,7 +37,7 @@ from edge_sdk import compress
 from edge_sdk.csprng import RoundRng
 from edge_sdk.errors import RemoteProtocolError
 from edge_sdk.ledger import BudgetExhausted, LedgerError, Plan, Reservation
-from edge_sdk.mechanisms import MECHANISMS, Contribution, GaussianRound, Mechanism
+from edge_sdk.mechanisms import MECHANISMS, Contribution, Mechanism
 from edge_sdk.secagg import RoundConfig
 from edge_sdk.train import TrainingDiverged
 from edge_sdk.wire import RoundPlan
@@ -59,7 +59,6 @@ logger = logging.getLogger("edge_sdk.round")
 # How each mechanism reads its round settings from a plan (name -> (plan, dim) -> settings),
 # the argument of its class's device() and server(). A mechanism is usable only when it is
 # both registered (MECHANISMS) and readable here; tests/test_round.py checks they agree.
-_READERS: Mapping[str, Callable[..., Any]] = {"gaussian": GaussianRound.from_plan}
 
 
 class LedgerLike(Protocol):
@@ -112,7 +111,7 @@ class Prepared:
 
 def has_mechanism(name: str) -> bool:
     """Whether this build can run mechanism ``name`` (registered and readable from a plan)."""
-    return name in MECHANISMS and name in _READERS
+    return name in MECHANISMS
 
 
 def mechanism_round(plan: RoundPlan, *, dim: int) -> tuple[Mechanism, Any]:
@@ -126,9 +125,9 @@ def mechanism_round(plan: RoundPlan, *, dim: int) -> tuple[Mechanism, Any]:
     """
     if not has_mechanism(plan.mechanism):
         raise ValueError(f"mechanism {plan.mechanism!r} is not one of "
-                       f"{sorted(n for n in MECHANISMS if n in _READERS)}")
-    settings = _READERS[plan.mechanism](plan, dim=dim)
-    return MECHANISMS[plan.mechanism](), settings
+                       f"{sorted(MECHANISMS)}")
+    mech = MECHANISMS[plan.mechanism]
+    return mech(), mech.Round.from_plan(plan, dim=dim)
 
 
 def coordinates(plan: RoundPlan, *, dim: int) -> np.ndarray | None:

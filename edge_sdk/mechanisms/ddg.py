@@ -303,6 +303,7 @@ class Ddg:
 
     name: ClassVar[str] = "ddg"
     Params: ClassVar[type] = DdgParams  # what travels in RoundPlan.params
+    Round: ClassVar[type] = DdgRound  # settings read from a plan: Round.from_plan
 
     def device(self, params: DdgRound) -> DdgDevice:
         return DdgDevice(params)

@@ -179,6 +179,7 @@ class Gaussian:
 
     name: ClassVar[str] = "gaussian"
     Params: ClassVar[type] = GaussianParams  # what travels in RoundPlan.params
+    Round: ClassVar[type] = GaussianRound  # settings read from a plan: Round.from_plan
 
     def device(self, params: GaussianRound) -> GaussianDevice:
         return GaussianDevice(params)

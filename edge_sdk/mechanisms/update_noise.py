@@ -279,6 +279,7 @@ class UpdateNoise:
 
     name: ClassVar[str] = "update-noise"
     Params: ClassVar[type] = UpdateNoiseParams  # what travels in RoundPlan.params
+    Round: ClassVar[type] = UpdateNoiseRound  # settings read from a plan: Round.from_plan
 
     def device(self, params: UpdateNoiseRound) -> UpdateNoiseDevice:
         return UpdateNoiseDevice(params)
