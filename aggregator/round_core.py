@@ -36,7 +36,7 @@ from aggregator.optimizers import OPTIMIZERS, ServerOptimizer
 from edge_sdk import compress, wire
 from edge_sdk.fixedpoint import FixedPoint
 from edge_sdk.hazmat import graph
-from edge_sdk.mechanisms import ServerHalf
+from edge_sdk.mechanisms import ServerHalf, ddg, update_noise
 from edge_sdk.round import coordinates, has_mechanism, mechanism_round
 from edge_sdk.wire import GaussianParams, RoundPlan
 from edge_sdk.wire.schema import Record
@@ -44,6 +44,7 @@ from edge_sdk.wire.schema import Record
 __all__ = [
     "Finished",
     "RoundPolicy",
+    "check_plannable",
     "draw_cohort",
     "draw_plan",
     "finish",
@@ -81,6 +82,21 @@ class RoundPolicy:
         bits: ring size of the secure sum; value_bound: each uploaded value is clamped to
             [-value_bound, value_bound]; scale: fixed-point scale (None: the largest for
             which a cohort's sum cannot wrap).
+        update_clip, clamp_probability: ``"update-noise"`` only
+            (``edge_sdk.mechanisms.update_noise``): S, the update's L2 bound (model units;
+            None: steps * lr * clip), and the per-coordinate probability that the clamp at
+            the plan's value bound bites (the plan's value bound and scale follow from
+            them; ``value_bound``, ``scale`` and ``sampling`` are not used: the subsample
+            is without replacement). z = ``noise_multiplier`` (noise std z S).
+        gamma, wrap_probability, max_local_samples, nominal_samples: ``"ddg"`` only
+            (``edge_sdk.mechanisms.ddg``): model units per integer step (> 0), the
+            per-round bound on the probability that the sum wraps, and the fleet's public
+            largest and mean local data sizes (the ring's worst case and the decode's
+            divisor; public facts, never a round's data). C = ``clip``; z =
+            ``noise_multiplier`` is the std of the noise summed over the round's honest
+            members (min_survivors - max_colluders, privacy review Q2) over C; ``lr`` is
+            the server's FedSGD step; the plan's bits come from these (``bits``, ``scale``,
+            ``value_bound``, ``steps``, ``batch_size`` and ``sampling`` are not used).
         degree, threshold: SecAgg+ neighbourhood (None: ``secagg`` defaults).
         server_opt, server_lr: server optimizer from ``aggregator.optimizers.OPTIMIZERS``.
         seed: seeds the cohort selection (with the round id).
@@ -107,6 +123,12 @@ class RoundPolicy:
     bits: int = 32
     value_bound: float = 1.0
     scale: float | None = None
+    update_clip: float | None = None
+    clamp_probability: float = update_noise.CLAMP_PROBABILITY
+    gamma: float | None = None
+    wrap_probability: float = ddg.WRAP_PROBABILITY
+    max_local_samples: int | None = None
+    nominal_samples: float | None = None
     degree: int | None = None
     threshold: int | None = None
     server_opt: str = "fedavg"
@@ -143,6 +165,7 @@ class RoundPolicy:
             raise ValueError(f"sparsity must be in (0, 1], got {self.sparsity!r}")
         if not (math.isfinite(self.value_bound) and self.value_bound > 0):
             raise ValueError(f"value_bound must be finite and > 0, got {self.value_bound!r}")
+        self._check_mechanism_settings()
         if self.server_opt not in OPTIMIZERS:
             raise ValueError(f"server_opt must be one of {sorted(OPTIMIZERS)}, "
                              f"got {self.server_opt!r}")
@@ -161,6 +184,43 @@ class RoundPolicy:
             raise ValueError(problem)
         FixedPoint(scale=self.fixed_point_scale(), bits=self.bits).check_no_wrap(
             self.value_bound, self.cohort_size)
+
+    def _check_mechanism_settings(self) -> None:
+        """The update-noise and ddg settings (see the class): each valid on its own, each
+        only with its mechanism, and what the mechanism needs present."""
+        for name in ("clamp_probability", "wrap_probability"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1):
+                raise ValueError(f"{name} must be in (0, 1), got {v!r}")
+        for name in ("update_clip", "gamma", "nominal_samples"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                      and math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be None or finite and > 0, got {v!r}")
+        m = self.max_local_samples
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"max_local_samples must be None or an integer >= 1, got {m!r}")
+        own = {"update_clip": "update-noise", "gamma": "ddg", "max_local_samples": "ddg",
+               "nominal_samples": "ddg"}
+        for name, mech in own.items():
+            if getattr(self, name) is not None and self.mechanism != mech:
+                raise ValueError(f"{name} is a setting of mechanism {mech!r}, but mechanism "
+                                 f"is {self.mechanism!r}: remove {name}")
+        if self.mechanism == "update-noise" and self.sparsity != 1.0:
+            raise ValueError(f"mechanism 'update-noise' is dense: sparsity must be 1, "
+                             f"got {self.sparsity!r}")
+        if self.mechanism == "ddg":
+            if self.quant_levels:
+                raise ValueError(f"mechanism 'ddg' uploads integers, not QSGD: quant_levels "
+                                 f"must be 0, got {self.quant_levels!r}")
+            for name in ("gamma", "max_local_samples", "nominal_samples"):
+                if getattr(self, name) is None:
+                    raise ValueError(f"mechanism 'ddg' needs {name} (a public fact the "
+                                     f"round's noise, ring or decode rests on), got None")
+            if self.nominal_samples > self.max_local_samples:
+                raise ValueError(f"nominal_samples (the fleet's mean local data size) must "
+                                 f"be <= max_local_samples={self.max_local_samples}, "
+                                 f"got {self.nominal_samples!r}")
 
     def config_degree(self, n: int) -> int:
         if self.degree is None:
@@ -196,19 +256,45 @@ def round_secrets(random_bytes: Callable[[int], bytes]) -> tuple[bytes, bytes]:
 # ---------------------------------------------------------------------------- mechanisms
 
 
-def _gaussian(policy: RoundPolicy, dim: int) -> tuple[GaussianParams, int]:
+def _gaussian(policy: RoundPolicy, dim: int, cohort_size: int) -> tuple[Record, int, int]:
     k = dim if policy.sparsity == 1.0 else compress.kept_count(dim, policy.sparsity)
     return GaussianParams(
         steps=policy.steps, batch_size=policy.batch_size, lr=float(policy.lr),
         sampling=policy.sampling, clip=float(policy.clip),
         noise_multiplier=float(policy.noise_multiplier), sparsity=float(policy.sparsity),
         quant_levels=policy.quant_levels, scale=float(policy.fixed_point_scale()),
-        value_bound=float(policy.value_bound)), k
+        value_bound=float(policy.value_bound)), k, policy.bits
 
 
-# How the aggregator states each mechanism's public settings for a round:
-# (policy, d) -> (the plan's params record, the number of values summed).
-_PUBLIC: dict[str, Callable[[RoundPolicy, int], tuple[Record, int]]] = {"gaussian": _gaussian}
+def _update_noise(policy: RoundPolicy, dim: int, cohort_size: int) -> tuple[Record, int, int]:
+    params = update_noise.update_noise_params(
+        steps=policy.steps, batch_size=policy.batch_size, lr=float(policy.lr),
+        clip=float(policy.clip), noise_multiplier=float(policy.noise_multiplier),
+        update_clip=policy.update_clip, quant_levels=policy.quant_levels,
+        cohort_size=cohort_size, bits=policy.bits,
+        clamp_probability=policy.clamp_probability)
+    return params, dim, policy.bits
+
+
+def _ddg(policy: RoundPolicy, dim: int, cohort_size: int) -> tuple[Record, int, int]:
+    # sigma on the shares certainly in the sum from honest members (privacy review Q2):
+    # the devices account the same count (edge_sdk.round.honest_members, never more)
+    honest = policy.survivors_needed(cohort_size) - policy.max_colluders
+    assert policy.gamma is not None and policy.max_local_samples is not None  # __post_init__
+    assert policy.nominal_samples is not None
+    params, bits, length = ddg.ddg_public(
+        noise_multiplier=float(policy.noise_multiplier), clip=float(policy.clip),
+        gamma=float(policy.gamma), sparsity=float(policy.sparsity), lr=float(policy.lr),
+        dim=dim, cohort_size=cohort_size, honest=honest,
+        nominal_samples=float(policy.nominal_samples),
+        max_local_samples=policy.max_local_samples, wrap_probability=policy.wrap_probability)
+    return params, length, bits
+
+
+# How the aggregator states each mechanism's public settings for a round: (policy, d, the
+# cohort's size) -> (the plan's params record, the number of values summed, the ring's bits).
+_PUBLIC: dict[str, Callable[[RoundPolicy, int, int], tuple[Record, int, int]]] = {
+    "gaussian": _gaussian, "update-noise": _update_noise, "ddg": _ddg}
 
 
 def mechanisms() -> tuple[str, ...]:
@@ -218,10 +304,26 @@ def mechanisms() -> tuple[str, ...]:
     return tuple(sorted(n for n in _PUBLIC if has_mechanism(n)))
 
 
-def mechanism_params(policy: RoundPolicy, *, dim: int) -> tuple[Record, int]:
+def mechanism_params(policy: RoundPolicy, *, dim: int,
+                     cohort_size: int | None = None) -> tuple[Record, int, int]:
     """(The plan's ``params`` record for ``policy.mechanism``, the plan's ``length``: how
-    many ring values each device adds) for a model of ``dim`` parameters."""
-    return _PUBLIC[policy.mechanism](policy, dim)
+    many ring values each device adds, the plan's ``bits``) for a model of ``dim``
+    parameters and a cohort of ``cohort_size`` (default ``policy.cohort_size``).
+
+    Raises:
+        ValueError: the settings cannot be planned for this model and cohort (ddg: more
+            than 62 bits needed; update-noise: no fixed-point scale fits), named.
+    """
+    n = policy.cohort_size if cohort_size is None else cohort_size
+    return _PUBLIC[policy.mechanism](policy, dim, n)
+
+
+def check_plannable(policy: RoundPolicy, *, dim: int) -> None:
+    """Raise ValueError unless every cohort size a round of ``policy`` can have
+    (min_cohort..cohort_size) can be planned for a model of ``dim`` parameters, so that no
+    round start meets the error later."""
+    for n in range(policy.min_cohort or policy.cohort_size, policy.cohort_size + 1):
+        mechanism_params(policy, dim=dim, cohort_size=n)
 
 
 # ---------------------------------------------------------------------------- the round
@@ -244,12 +346,12 @@ def draw_plan(policy: RoundPolicy, *, round_id: int, model_version: int,
     (:func:`mechanism_params`), the round's secrets (:func:`round_secrets`, the round's
     only draws from ``random_bytes``) and the SecAgg+ settings of a cohort of that size."""
     n = len(cohort)
-    params, length = mechanism_params(policy, dim=dim)
+    params, length, bits = mechanism_params(policy, dim=dim, cohort_size=n)
     round_seed, nonce = round_secrets(random_bytes)
     degree = policy.config_degree(n)
     return RoundPlan(
         round_id=round_id, model_version=model_version, cohort=cohort,
-        mechanism=policy.mechanism, params=params, round_seed=round_seed, bits=policy.bits,
+        mechanism=policy.mechanism, params=params, round_seed=round_seed, bits=bits,
         length=length, nonce=nonce, degree=degree,
         threshold=policy.config_threshold(degree), min_survivors=policy.survivors_needed(n),
         max_colluders=policy.max_colluders, stage_timeout=float(policy.stage_timeout))

@@ -85,6 +85,7 @@ from aggregator.guard import FloodGuard, FloodLimits
 from aggregator.optimizers import OPTIMIZERS
 from aggregator.round_core import (
     RoundPolicy,
+    check_plannable,
     draw_cohort,
     draw_plan,
     finish,
@@ -393,6 +394,7 @@ class RoundMachine:
         self._params = [np.array(p, dtype=np.float32) for p in params]
         if not all(np.isfinite(p).all() for p in self._params):
             raise ValueError("initial params must be finite")
+        check_plannable(policy, dim=self.dimension)  # a round start never meets the error
         self._opt_state = self._opt.init(self._params)
         self._version = 0
         self._last_round = 0
@@ -891,8 +893,11 @@ class RoundMachine:
                  checkpoint: Callable[[bytes], None] | None) -> RoundMachine:
         if s.get("format") != SNAPSHOT_FORMAT or s.get("v") != SNAPSHOT_VERSION:
             raise SnapshotError(f"not a {SNAPSHOT_FORMAT} v{SNAPSHOT_VERSION} snapshot")
-        # snapshots taken before the policy named its mechanism ran the only one there was
-        if {"mechanism": "gaussian", **s["policy"]} != dataclasses.asdict(policy):
+        # snapshots taken before the policy had a setting ran with its default (before
+        # the policy named its mechanism: the only one there was, "gaussian")
+        defaults = {f.name: f.default for f in dataclasses.fields(RoundPolicy)
+                    if f.default is not dataclasses.MISSING}
+        if {**defaults, **s["policy"]} != dataclasses.asdict(policy):
             raise SnapshotError("the snapshot was taken under another policy")
         if s["aggregator_key"] != identity.public_key:
             raise SnapshotError("the snapshot was taken by another aggregator identity")

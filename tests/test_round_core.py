@@ -57,8 +57,10 @@ class _Source:
 def test_the_policy_names_its_mechanism_and_refuses_one_it_does_not_have() -> None:
     assert ReExported is RoundPolicy
     assert _policy().mechanism == "gaussian"
-    assert mechanisms() == ("gaussian",) and set(mechanisms()) <= set(MECHANISMS)
-    with pytest.raises(ValueError, match=r"mechanism must be one of \['gaussian'\].*'ddg-x'"):
+    assert mechanisms() == ("ddg", "gaussian", "update-noise")
+    assert set(mechanisms()) <= set(MECHANISMS)
+    with pytest.raises(ValueError, match=r"mechanism must be one of "
+                       r"\['ddg', 'gaussian', 'update-noise'\].*'ddg-x'"):
         _policy(mechanism="ddg-x")
 
 
@@ -81,8 +83,8 @@ def test_draw_plan_states_the_policy_and_draws_seed_then_nonce() -> None:
     again = _Source()
     assert (plan.round_seed, plan.nonce) == round_secrets(again) and again.draws == [32, 32]
     k = compress.kept_count(d, 0.25)
-    params, length = mechanism_params(pol, dim=d)
-    assert length == plan.length == k
+    params, length, bits = mechanism_params(pol, dim=d)
+    assert length == plan.length == k and bits == plan.bits == 40
     assert plan.params == params == wire.GaussianParams(
         steps=pol.steps, batch_size=pol.batch_size, lr=pol.lr, sampling=pol.sampling,
         clip=pol.clip, noise_multiplier=pol.noise_multiplier, sparsity=0.25, quant_levels=3,

@@ -48,6 +48,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from aggregator.round_core import mechanism_params
 from aggregator.rounds import (
     Event,
     RoundEnded,
@@ -344,11 +345,12 @@ class Fleet:
         self.budget = Budget(epsilon=cfg.budget_epsilon, delta=cfg.delta)
         self.policy = RoundPolicy(
             fleet=FLEET_NAME, cohort_size=cfg.cohort_size, stage_timeout=cfg.stage_timeout,
-            max_rounds=cfg.rounds, steps=cfg.local_steps, batch_size=cfg.batch_size,
-            lr=cfg.lr, sampling=cfg.sampling, clip=cfg.clip,
+            max_rounds=cfg.rounds, mechanism=cfg.mechanism, steps=cfg.local_steps,
+            batch_size=cfg.batch_size, lr=cfg.lr, sampling=cfg.sampling, clip=cfg.clip,
             noise_multiplier=cfg.noise_multiplier, sparsity=cfg.sparsity,
             quant_levels=cfg.quant_levels, value_bound=cfg.value_bound,
-            server_opt=cfg.server_opt, server_lr=cfg.server_lr, seed=cfg.seed)
+            server_opt=cfg.server_opt, server_lr=cfg.server_lr, seed=cfg.seed,
+            **_mechanism_settings(cfg, [len(y) for _, y in self.shards.values()]))
         self.initial = init_params(self.spec, init_rng)
         (self.workdir / "ledgers").mkdir(parents=True, exist_ok=True)
         self.store = CheckpointStore(self.workdir / "aggregator.ckpt")
@@ -580,7 +582,9 @@ class Fleet:
                              "upload; aggregate: against whoever sees only the secure sum "
                              "(threshold, collusion and semi-honest-aggregator assumptions), "
                              "equal to local wherever uploads are clamped or rounded before "
-                             "the sum, as on every secure-aggregation path"),
+                             "the sum (gaussian, update-noise); ddg's counts the noise "
+                             "shares of min_survivors - max_colluders honest members "
+                             "(KLS 2021 Thm 1, sample-level zero-out)"),
             "paper_epsilon": None,
             "delta": cfg.delta,
             "bytes_up_total": m.up_packets,
@@ -603,10 +607,14 @@ class Fleet:
     def check_sums(self) -> None:
         """Every completed round's integer sum is its survivors' encoded inputs summed
         mod 2^bits (the devices keep their inputs of the last few rounds)."""
-        mask = np.uint64((1 << self.policy.bits) - 1)
+        d = sum(p.size for p in self.initial)
         for o in self.outcomes.values():
             if not o.completed or o.total is None:
                 continue
+            # the round's ring (ddg's bits depend on the cohort's size)
+            _, _, bits = mechanism_params(self.policy, dim=d,
+                                          cohort_size=len(self.records[o.round_id].cohort))
+            mask = np.uint64((1 << bits) - 1)
             want = np.zeros_like(o.total)
             for n in o.survivors:
                 x = self.agents[n].session.encoded_input(o.round_id)
@@ -619,6 +627,18 @@ class Fleet:
     def close(self) -> None:
         for led in self.ledgers.values():
             led.close()
+
+
+def _mechanism_settings(cfg: SimConfig, sizes: list[int]) -> dict[str, Any]:
+    """The policy's settings of ``cfg.mechanism`` beyond the shared ones: update-noise's S;
+    ddg's gamma (``SimConfig.gamma``, as the fast path) and the
+    fleet's largest and mean shard sizes (public facts of a simulated fleet)."""
+    if cfg.mechanism == "update-noise":
+        return {"update_clip": cfg.update_clip}
+    if cfg.mechanism == "ddg":
+        return {"gamma": cfg.gamma, "max_local_samples": max(sizes),
+                "nominal_samples": float(np.mean(sizes))}
+    return {}
 
 
 def _finite(v: float) -> float | None:

@@ -86,7 +86,7 @@ from tools.datasets import load_dataset
 from tools.evaluate import evaluate
 from tools.partition import partition
 from tools.seeding import device_seed, round_random_bytes
-from tools.simconfig import SimConfig
+from tools.simconfig import DDG_SCALE, SimConfig
 from tools.summary import model_sha256
 
 __all__ = ["DDG_SCALE", "PATH_VERSION", "DdgPlan", "ddg_plan", "round_draws", "simulate"]
@@ -98,10 +98,6 @@ PATH_VERSION = 2
 1: before issue 15; 2: issue 15 G0, cohorts, round seeds and device randomness drawn as the
 fleet draws them (:func:`round_draws`)."""
 
-DDG_SCALE = 1024
-"""Default C / gamma of mechanism ``ddg``: a clipped sample spans 2^10 integer steps, so
-rounding adds at most sqrt(k) to its L2 bound (0.3% at the CNN's k = 21,840) and its
-variance is far below the noise's."""
 
 # Per round; a union bound over 45 rounds is still negligible.
 _DDG_WRAP_PROBABILITY = ddg_mech.WRAP_PROBABILITY
@@ -229,7 +225,7 @@ def ddg_plan(cfg: SimConfig, num_params: int) -> DdgPlan:
     """The :class:`DdgPlan` of a ``ddg`` config for a model of ``num_params`` parameters."""
     if cfg.mechanism != "ddg":
         raise ValueError(f"ddg_plan needs mechanism 'ddg', got {cfg.mechanism!r}")
-    gamma = cfg.ddg_gamma if cfg.ddg_gamma is not None else cfg.clip / DDG_SCALE
+    gamma = cfg.gamma
     k = num_params if cfg.sparsity == 1.0 else compress.kept_count(num_params, cfg.sparsity)
     r = cfg.cohort_size
     l2, l1 = ddg_mech.sensitivities(cfg.clip, gamma, k)
