@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -115,3 +116,24 @@ def test_aggregator_toml_refuses_a_mechanism_it_does_not_have(enrolled) -> None:
         AggregatorConfig.from_toml(path)
     path.write_text(text.replace("[policy]", '[policy]\nmechanism = "gaussian"', 1))
     assert AggregatorConfig.from_toml(path).policy.mechanism == "gaussian"
+
+
+def test_aggregator_toml_plans_update_noise_and_ddg(enrolled) -> None:
+    path = enrolled.aggregator_config
+    text = path.read_text()
+
+    def policy(lines: str) -> Any:
+        path.write_text(text.replace("[policy]", "[policy]\n" + lines, 1))
+        return AggregatorConfig.from_toml(path).policy
+
+    p = policy('mechanism = "ddg"\ngamma = 0.001\nmax_local_samples = 500\n'
+               'nominal_samples = 120.0\nwrap_probability = 1e-8')
+    assert (p.mechanism, p.gamma, p.max_local_samples, p.nominal_samples,
+            p.wrap_probability) == ("ddg", 0.001, 500, 120.0, 1e-8)
+    p = policy('mechanism = "update-noise"\nupdate_clip = 0.5\nclamp_probability = 1e-6')
+    assert (p.mechanism, p.update_clip, p.clamp_probability) == ("update-noise", 0.5, 1e-6)
+    with pytest.raises(ConfigError, match="mechanism 'ddg' needs max_local_samples"):
+        policy('mechanism = "ddg"\ngamma = 0.001\nnominal_samples = 120.0')
+    with pytest.raises(ConfigError, match="mechanism 'update-noise' is dense: sparsity must "
+                                          "be 1, got 0.5"):
+        policy('mechanism = "update-noise"\nsparsity = 0.5')

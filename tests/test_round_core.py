@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from typing import Any
 
 import msgpack
@@ -23,6 +24,7 @@ from aggregator.optimizers import OPTIMIZERS
 from aggregator.plain_sum import PlainSum
 from aggregator.round_core import (
     RoundPolicy,
+    check_plannable,
     draw_cohort,
     draw_plan,
     finish,
@@ -31,10 +33,10 @@ from aggregator.round_core import (
     round_secrets,
     server_half,
 )
-from aggregator.rounds import RoundMachine
+from aggregator.rounds import RoundMachine, SnapshotError
 from aggregator.rounds import RoundPolicy as ReExported
 from edge_sdk import compress, secagg, wire
-from edge_sdk.mechanisms import MECHANISMS
+from edge_sdk.mechanisms import MECHANISMS, ddg, update_noise
 
 NAMES = [f"d{i:02d}" for i in range(20)]
 
@@ -207,13 +209,112 @@ def test_plain_sum_and_finish_give_the_round_machines_model(tmp_path, digits, en
 def test_policy_snapshot_from_before_the_mechanism_field_restores(tmp_path, digits,
                                                                     engine) -> None:
     """A checkpoint whose policy predates ``mechanism`` ran gaussian, the only one there was:
-    it restores under a gaussian policy."""
+    it restores under a gaussian policy. So does one from before the update-noise and ddg
+    settings (they had their defaults), but not under a policy that changed one."""
     fleet = Fleet(tmp_path, digits, engine, rounds=0)
     snap = msgpack.unpackb(fleet.machine.snapshot(), raw=False)
-    del snap["policy"]["mechanism"]
+    for key in ("mechanism", *NEW_SETTINGS):
+        del snap["policy"][key]
     old = msgpack.packb(snap, use_bin_type=True)
+    changed = dataclasses.replace(fleet.policy, clamp_probability=1e-6)
+    with pytest.raises(SnapshotError, match="another policy"):
+        RoundMachine.restore(old, policy=changed, identity=fleet.agg_id,
+                             registry=fleet.registry)
     m = RoundMachine.restore(old, policy=fleet.policy, identity=fleet.agg_id,
                              registry=fleet.registry)
     assert m.model_version == 0
     assert dataclasses.asdict(m.policy)["mechanism"] == "gaussian"
     fleet.close()
+
+
+# ----------------------------------------------------------------- update-noise and ddg
+
+NEW_SETTINGS = ("update_clip", "clamp_probability", "gamma", "wrap_probability",
+                "max_local_samples", "nominal_samples")
+DDG = {"mechanism": "ddg", "gamma": 1 / 1024, "max_local_samples": 300,
+       "nominal_samples": 180.0, "steps": 1}
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"mechanism": "update-noise", "sparsity": 0.5},
+     "mechanism 'update-noise' is dense: sparsity must be 1, got 0.5"),
+    ({"mechanism": "update-noise", "update_clip": 0.0},
+     "update_clip must be None or finite and > 0, got 0.0"),
+    ({"mechanism": "update-noise", "update_clip": math.inf},
+     "update_clip must be None or finite and > 0, got inf"),
+    ({"mechanism": "update-noise", "clamp_probability": 1.0},
+     r"clamp_probability must be in \(0, 1\), got 1.0"),
+    ({"update_clip": 1.0}, "update_clip is a setting of mechanism 'update-noise', but "
+                           "mechanism is 'gaussian'"),
+    ({**DDG, "gamma": None}, "mechanism 'ddg' needs gamma"),
+    ({**DDG, "max_local_samples": None}, "mechanism 'ddg' needs max_local_samples"),
+    ({**DDG, "nominal_samples": None}, "mechanism 'ddg' needs nominal_samples"),
+    ({**DDG, "max_local_samples": 0}, "max_local_samples must be None or an integer >= 1, "
+                                      "got 0"),
+    ({**DDG, "max_local_samples": 2.5}, "max_local_samples must be None or an integer"),
+    ({**DDG, "nominal_samples": 301.0}, r"nominal_samples .* must be <= "
+                                        r"max_local_samples=300, got 301.0"),
+    ({**DDG, "gamma": -1.0}, "gamma must be None or finite and > 0, got -1.0"),
+    ({**DDG, "wrap_probability": 0.0}, r"wrap_probability must be in \(0, 1\), got 0.0"),
+    ({**DDG, "quant_levels": 3}, "mechanism 'ddg' uploads integers, not QSGD: quant_levels "
+                                 "must be 0, got 3"),
+    ({**DDG, "mechanism": "update-noise"}, "gamma is a setting of mechanism 'ddg'"),
+])
+def test_update_noise_and_ddg_settings_are_checked_by_name(bad: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _policy(**bad)
+
+
+def test_update_noise_plan_is_update_noise_params_of_the_policy() -> None:
+    pol = _policy(mechanism="update-noise", steps=4, lr=0.25, clip=2.0, noise_multiplier=1.5,
+                  quant_levels=5, clamp_probability=1e-6, bits=40)
+    d = 500
+    cohort = tuple(NAMES[:6])  # fewer than cohort_size: the plan is for these six
+    plan = draw_plan(pol, round_id=1, model_version=0, cohort=cohort, dim=d,
+                     random_bytes=_Source())
+    want = update_noise.update_noise_params(
+        steps=4, batch_size=pol.batch_size, lr=0.25, clip=2.0, noise_multiplier=1.5,
+        update_clip=None, quant_levels=5, cohort_size=6, bits=40, clamp_probability=1e-6)
+    assert plan.params == want and (plan.mechanism, plan.length, plan.bits) == (
+        "update-noise", d, 40)
+    assert want.update_clip == 4 * 0.25 * 2.0  # S = E lr C by default
+    assert want.value_bound == update_noise.value_bound(2.0, 1.5, 1e-6)
+    explicit = draw_plan(dataclasses.replace(pol, update_clip=0.7), round_id=1,
+                         model_version=0, cohort=cohort, dim=d, random_bytes=_Source())
+    assert explicit.params.update_clip == 0.7
+    half = server_half(plan, dim=d)  # the plan reads back on the server (and devices)
+    assert (half.params.update_clip, half.params.cohort_size) == (2.0, 6)
+
+
+def test_ddg_plan_is_ddg_public_on_the_honest_members() -> None:
+    pol = _policy(**DDG, sparsity=0.5, max_colluders=2, min_survivors=5, lr=3.0,
+                  noise_multiplier=0.8, clip=0.5, wrap_probability=1e-6)
+    d = 2000
+    for n in (7, 6):  # a full and a smaller cohort: honest = min_survivors - max_colluders
+        cohort = tuple(NAMES[:n])
+        plan = draw_plan(pol, round_id=2, model_version=1, cohort=cohort, dim=d,
+                         random_bytes=_Source())
+        params, bits, length = ddg.ddg_public(
+            noise_multiplier=0.8, clip=0.5, gamma=1 / 1024, sparsity=0.5, lr=3.0, dim=d,
+            cohort_size=n, honest=5 - 2, nominal_samples=180.0, max_local_samples=300,
+            wrap_probability=1e-6)
+        assert (plan.params, plan.bits, plan.length) == (params, bits, length)
+        assert plan.params.sigma == pytest.approx(0.8 * 0.5 * 1024 / math.sqrt(3), rel=1e-12)
+        assert plan.bits != pol.bits and plan.length == compress.kept_count(d, 0.5)
+        assert (plan.min_survivors, plan.max_colluders) == (5, 2)
+        assert mechanism_params(pol, dim=d, cohort_size=n) == (params, length, bits)
+        assert server_half(plan, dim=d).params.sigma == params.sigma
+
+
+def test_a_policy_the_model_cannot_be_planned_for_is_refused_before_any_round() -> None:
+    # a ring of more than 62 bits: 2^30 integer steps per clip, a million samples each
+    pol = _policy(**{**DDG, "gamma": 2.0**-30, "max_local_samples": 10**9,
+                     "nominal_samples": 1.0})
+    with pytest.raises(ValueError, match="62"):
+        check_plannable(pol, dim=100)
+    check_plannable(_policy(**DDG), dim=100)
+    identity = secagg.AggregatorIdentity.generate()
+    registry = secagg.Registry.of(identity, [])
+    with pytest.raises(ValueError, match="62"):
+        RoundMachine(policy=pol, identity=identity, registry=registry,
+                     params=[np.zeros(100, np.float32)])

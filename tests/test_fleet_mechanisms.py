@@ -1,0 +1,125 @@
+"""tools/fleet.py with mechanisms update-noise and ddg (plan15 G4/G5): the aggregator
+plans their rounds (``aggregator.round_core``), the devices read the plans, train, reserve
+their ledgers and upload through SecAgg+ with dropouts, and the sums are the survivors'
+inputs bit for bit; each device's ledger holds the mechanism's event."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from test_fleet import BASE, _assert_clean_rounds
+
+from aggregator.round_core import mechanism_params
+from edge_sdk.mechanisms import ddg, update_noise
+from edge_sdk.privacy.events import DistributedDiscreteGaussian, SampledWithoutReplacementGaussian
+from edge_sdk.wire import DdgParams, UpdateNoiseParams
+from tools.cli import main
+from tools.fleet import FLEET_NAME, Fleet
+from tools.simconfig import DDG_SCALE, SimConfig
+
+# 8 devices, all in every round: min_survivors 4 (the threshold), 1 colluder, so the
+# aggregate view of ddg counts 3 honest shares; 2 of the 8 vanish per round
+SMALL = dict(devices=8, participation=1.0, rounds=3, dropout=0.2)
+SETTINGS = {"update-noise": dict(local_steps=5), "ddg": dict(local_steps=1)}
+
+
+def _fleet(tmp: Path, digits: Any, engine: Any, mechanism: str) -> tuple[Fleet, dict]:
+    cfg = SimConfig(**{**BASE, **SMALL, **SETTINGS[mechanism], "mechanism": mechanism})
+    fleet = Fleet(cfg, tmp, data=digits, engine=engine)
+    return fleet, fleet.run()
+
+
+def _reserved_rounds(fleet: Fleet, summary: dict, name: str) -> list[str]:
+    """The rounds ``name`` reserved budget for: every round but those in which it vanished
+    on receipt of the plan (stage ``keys``), before it could read it."""
+    return [f"{FLEET_NAME}/{r['round']}" for r in summary["rounds"]
+            if r["dropped"].get(name) != "keys"]
+
+
+@pytest.mark.parametrize("mechanism", ["update-noise", "ddg"])
+def test_inproc_fleet_runs_the_mechanism_with_dropouts(tmp_path, digits, engine,
+                                                       mechanism: str) -> None:
+    fleet, summary = _fleet(tmp_path, digits, engine, mechanism)
+    _assert_clean_rounds(fleet, summary, 3)  # includes fleet.check_sums(): exact sums
+    assert summary["rounds_completed"] == 3
+    assert all(len(r["dropped"]) == 2 for r in summary["rounds"])
+    assert any(r["survivors"] < 8 for r in summary["rounds"])  # someone's input is missing
+    for o in fleet.outcomes.values():
+        assert o.total is not None and np.any(o.total != 0)
+    pol = fleet.policy
+    assert pol.mechanism == mechanism
+    d = sum(p.size for p in fleet.initial)
+    params, length, bits = mechanism_params(pol, dim=d, cohort_size=8)
+    assert length == d
+    honest = pol.survivors_needed(8) - pol.max_colluders
+    assert (pol.survivors_needed(8), honest) == (4, 3)
+    changed = [not np.array_equal(a, b) for a, b in zip(fleet.machine.params, fleet.initial,
+                                                        strict=True)]
+    assert any(changed) and fleet.machine.model_version == 3
+    for name in fleet.names:
+        m = len(fleet.shards[name][1])
+        reservations = fleet.ledgers[name].reservations()
+        assert [r.plan.round_id for r in reservations] == _reserved_rounds(fleet, summary, name)
+        for r in reservations:
+            plan = r.plan
+            assert plan.cohort_size == 4  # min_survivors, for the record
+            if mechanism == "update-noise":
+                assert isinstance(params, UpdateNoiseParams) and bits == 32
+                # S = E lr C, noise std z S on a without-replacement subsample of E b
+                assert params.update_clip == 5 * 0.5 * 1.0
+                assert plan.event == SampledWithoutReplacementGaussian(
+                    noise_multiplier=0.5, sample_size=5 * 16, dataset_size=m, steps=1,
+                    adjacency="substitution")
+                assert plan.aggregate_event == plan.event  # clamped and rounded: no less
+            else:
+                assert isinstance(params, DdgParams)
+                gamma = 1.0 / DDG_SCALE
+                assert params.gamma == gamma and bits < 32
+                l2, l1 = ddg.sensitivities(1.0, gamma, d)
+                sigma = 1.0 * DDG_SCALE / math.sqrt(honest)  # z (C / gamma) / sqrt(honest)
+                assert params.sigma == pytest.approx(sigma, rel=1e-12)
+                common = dict(l2_sensitivity=l2, l1_sensitivity=l1, sigma=params.sigma,
+                              dim=d, steps=1, adjacency="zero_out")
+                assert plan.event == DistributedDiscreteGaussian(devices=1, **common)
+                assert plan.aggregate_event == DistributedDiscreteGaussian(devices=honest,
+                                                                           **common)
+    if mechanism == "ddg":  # the honest members' shares cover the sum: a smaller epsilon
+        assert 0 < summary["epsilon_aggregate"] < summary["epsilon"]
+        assert bits == ddg.ddg_public(
+            noise_multiplier=1.0, clip=1.0, gamma=1.0 / DDG_SCALE, sparsity=1.0, lr=0.5,
+            dim=d, cohort_size=8, honest=3, nominal_samples=pol.nominal_samples,
+            max_local_samples=pol.max_local_samples)[1]
+        sizes = [len(y) for _, y in fleet.shards.values()]
+        assert (pol.max_local_samples, pol.nominal_samples) == (max(sizes), np.mean(sizes))
+    else:
+        assert 0 < summary["epsilon_aggregate"] == summary["epsilon"]
+        assert params == update_noise.update_noise_params(
+            steps=5, batch_size=16, lr=0.5, clip=1.0, noise_multiplier=1.0, update_clip=None,
+            quant_levels=0, cohort_size=8, bits=32)
+    json.dumps(summary, allow_nan=False)
+    fleet.close()
+
+
+def test_cli_runs_ddg_on_the_fleet_path(tmp_path) -> None:
+    out = tmp_path / "fleet.json"
+    rc = main(["simulate", "--secagg", "--transport", "inproc", "--mechanism", "ddg",
+               "--dataset", "digits", "--model", "logreg", "--devices", "6",
+               "--participation", "1", "--rounds", "2", "--local-steps", "1", "--clip", "1",
+               "--noise-multiplier", "1", "--ddg-gamma", "0.002", "--dropout", "0.2",
+               "--seed", "4", "--quiet", "--workdir", str(tmp_path / "w"),
+               "--json-out", str(out)])
+    assert rc == 0
+    summary = json.loads(out.read_text())
+    assert summary["config"]["mechanism"] == "ddg" and summary["rounds_completed"] == 2
+    assert all(len(r["dropped"]) == 1 for r in summary["rounds"])
+    assert 0 < summary["epsilon_aggregate"] < summary["epsilon"]
+
+
+def test_the_fleet_path_refuses_binomial() -> None:
+    with pytest.raises(ValueError, match="binomial is simulation-only"):
+        SimConfig(**{**BASE, "mechanism": "binomial", "devices": 30, "participation": 0.2})
