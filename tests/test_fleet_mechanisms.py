@@ -123,3 +123,26 @@ def test_cli_runs_ddg_on_the_fleet_path(tmp_path) -> None:
 def test_the_fleet_path_refuses_binomial() -> None:
     with pytest.raises(ValueError, match="binomial is simulation-only"):
         SimConfig(**{**BASE, "mechanism": "binomial", "devices": 30, "participation": 0.2})
+
+
+@pytest.mark.broker
+def test_ddg_over_mosquitto_equals_the_inproc_run(tmp_path, digits, engine) -> None:
+    """The same ddg rounds over a real broker: the same survivors and integer sums, bit for
+    bit, the same model and the same ledgers."""
+    ref, ref_summary = _fleet(tmp_path / "inproc", digits, engine, "ddg")
+    cfg = SimConfig(**{**BASE, **SMALL, **SETTINGS["ddg"], "mechanism": "ddg",
+                       "transport": "mqtt"})
+    net = Fleet(cfg, tmp_path / "mqtt", data=digits, engine=engine)
+    net_summary = net.run()
+    _assert_clean_rounds(net, net_summary, 3)
+    assert net_summary["rounds_completed"] == ref_summary["rounds_completed"] == 3
+    assert [r["dropped"] for r in net.rows] == [r["dropped"] for r in ref.rows]
+    for r, o in ref.outcomes.items():
+        other = net.outcomes[r]
+        assert (o.survivors, o.model_version) == (other.survivors, other.model_version)
+        assert o.total.dtype == other.total.dtype and np.array_equal(o.total, other.total)
+    assert net_summary["model_sha256"] == ref_summary["model_sha256"]
+    for n in ref.names:
+        assert ref.ledgers[n].spent() == net.ledgers[n].spent(), n
+    ref.close()
+    net.close()
