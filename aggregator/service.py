@@ -200,6 +200,10 @@ class AggregatorConfig:
             [policy]                     # aggregator.rounds.RoundPolicy fields
             cohort_size = 10
             stage_timeout = 30.0
+            mechanism = "ddg"            # default "gaussian"; "update-noise" takes
+            gamma = 0.001                # update_clip, clamp_probability; "ddg" needs
+            max_local_samples = 500      # gamma and the fleet's public largest and mean
+            nominal_samples = 120.0      # local data sizes (RoundPolicy says which)
         """
         data, base = read_toml(path)
         pol_fields = {f.name for f in fields(RoundPolicy)} - {"fleet"}
