@@ -296,8 +296,8 @@ function render(s) {
   $("stage").textContent = s.stage;
   $("stage-since").textContent = ago(s.stage_since, s.at);
   $("model-version").textContent = String(s.model_version);
-  $("cohort-size").textContent = String(s.cohort_size);
-  $("cohort").textContent = s.cohort.join(", ") +
+  $("cohort").textContent = s.cohort_size === 0 ? "none (no round open)" :
+      s.cohort_size + (s.cohort_size === 1 ? " device: " : " devices: ") + s.cohort.join(", ") +
       (s.cohort_size > s.cohort.length ? " and " + (s.cohort_size - s.cohort.length) +
        " more" : "");
   $("declined").textContent = s.declined.length ? s.declined.join(", ") : "none";
@@ -372,7 +372,7 @@ def _page() -> tuple[bytes, str]:
 <dl>
 <dt>Open round</dt><dd id="round">?</dd>
 <dt>Stage</dt><dd><span id="stage">?</span> (since <span id="stage-since">?</span>)</dd>
-<dt>Cohort</dt><dd><span id="cohort-size">?</span> devices: <span id="cohort"></span></dd>
+<dt>Cohort</dt><dd id="cohort">?</dd>
 <dt>Declined</dt><dd id="declined">?</dd>
 <dt>Model version</dt><dd id="model-version">?</dd>
 <dt>Last ended round</dt><dd id="last-round">?</dd>

@@ -21,8 +21,6 @@ from typing import Any
 
 import pytest
 
-ELEMENT = "element-6066-11e4-a52e-4f735466cecc"  # the W3C element reference key
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -84,14 +82,22 @@ class Browser:
         self._call("POST", self._s("/url"), {"url": url})
 
     def texts(self, xpath: str) -> list[str]:
-        """The rendered text of every element matching ``xpath`` (document order)."""
-        els = self._call("POST", self._s("/elements"), {"using": "xpath", "value": xpath})
-        return [str(self._call("GET", self._s(f"/element/{e[ELEMENT]}/text"))) for e in els]
+        """The rendered text (``innerText``) of every element matching ``xpath``, in
+        document order, read in one script call: the page re-renders its tables on every
+        poll, so an element found by one WebDriver call may be gone by the next."""
+        return [str(t) for t in self.script(
+            "const r = document.evaluate(arguments[0], document, null,"
+            " XPathResult.ORDERED_NODE_SNAPSHOT_TYPE, null); const out = [];"
+            " for (let i = 0; i < r.snapshotLength; i++) out.push(r.snapshotItem(i).innerText);"
+            " return out;", xpath)]
 
     def text(self, xpath: str) -> str | None:
         """The rendered text of the first element matching ``xpath`` (None: none)."""
         found = self.texts(xpath)
         return found[0] if found else None
+
+    def count(self, xpath: str) -> int:
+        return len(self.texts(xpath))
 
     def script(self, js: str, *args: Any) -> Any:
         return self._call("POST", self._s("/execute/sync"), {"script": js, "args": list(args)})
