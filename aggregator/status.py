@@ -64,6 +64,7 @@ __all__ = ["PAGE", "DeviceView", "RoundView", "Snapshot", "StatusBoard", "serve_
            "snapshot_json"]
 
 COHORT_SHOWN = 64  # cohort names listed on the page (the size is always given)
+DEVICES_SHOWN = 500  # devices listed, most recently seen first (the count is always given)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -125,8 +126,9 @@ class Snapshot:
         model_version: the global model's version (as of the last round event).
         bytes_in, bytes_out: payload bytes received and sent since the service started.
         rounds: the last rounds, newest first.
-        devices: devices seen, most recent first; devices_forgotten: devices dropped from
-            the board to bound its memory.
+        devices: the ``DEVICES_SHOWN`` devices seen most recently, most recent first;
+            devices_seen: how many devices the board holds; devices_forgotten: devices
+            dropped from the board to bound its memory (least recently seen first).
         evaluation: the evaluation set's name (None: the aggregator has none, so no
             accuracy is measured).
     """
@@ -144,6 +146,7 @@ class Snapshot:
     bytes_out: int
     rounds: tuple[RoundView, ...]
     devices: tuple[DeviceView, ...]
+    devices_seen: int
     devices_forgotten: int
     evaluation: str | None
 
@@ -242,14 +245,16 @@ class StatusBoard:
     def snapshot(self, *, at: float, bytes_in: int, bytes_out: int) -> Snapshot:
         """The board at ``at`` with the service's byte counters now."""
         with self._lock:
-            devices = sorted(self._devices.values(), key=lambda d: (-d.seen_at, d.device))
+            devices = sorted(self._devices.values(),
+                             key=lambda d: (-d.seen_at, d.device))[:DEVICES_SHOWN]
             return Snapshot(
                 at=at, fleet=self._fleet, round_id=self._round_id, stage=self._stage,
                 stage_since=self._stage_since, cohort=self._cohort[:COHORT_SHOWN],
                 cohort_size=len(self._cohort), declined=tuple(self._declined),
                 model_version=self._version, bytes_in=bytes_in, bytes_out=bytes_out,
                 rounds=tuple(self._rounds), devices=tuple(devices),
-                devices_forgotten=self._forgotten, evaluation=None)
+                devices_seen=len(self._devices), devices_forgotten=self._forgotten,
+                evaluation=None)
 
 
 def snapshot_json(snap: Snapshot) -> bytes:
@@ -324,8 +329,9 @@ function render(s) {
     [d.last_round === null ? "-" : d.last_round],
     [d.last_uploaded === null ? "-" : d.last_uploaded],
     [d.quarantined ? "quarantined" : "", d.quarantined ? "bad" : ""]]);
-  $("forgotten").textContent = s.devices_forgotten ?
-      s.devices_forgotten + " devices not seen for longest are not listed." : "";
+  const total = s.devices_seen + s.devices_forgotten;
+  $("forgotten").textContent = total > s.devices.length ? total + " devices seen; the " +
+      s.devices.length + " seen most recently are listed." : "";
   $("updated").textContent = new Date(s.at * 1000).toISOString();
   $("error").textContent = "";
 }

@@ -101,19 +101,25 @@ def test_memory_is_bounded() -> None:
                 _ended(r, ("d19",), ("d19",))], at=100.0 + r, bytes_in=0, bytes_out=0)
     s = b.snapshot(at=200.0, bytes_in=0, bytes_out=0)
     assert [d.device for d in s.devices] == ["d19", "d18", "d17", "d16", "d15"]
-    assert s.devices_forgotten == 15
+    assert (s.devices_seen, s.devices_forgotten) == (5, 15)
     assert [r.round_id for r in s.rounds] == [7, 6, 5]
     with pytest.raises(ValueError, match="max_devices must be an int >= 1, got 0"):
         StatusBoard(fleet="lab", max_devices=0)
 
 
-def test_large_cohort_is_listed_in_part_and_counted_in_full() -> None:
+def test_large_fleets_are_listed_in_part_and_counted_in_full() -> None:
     b = StatusBoard(fleet="lab")
     cohort = tuple(f"d{i:04d}" for i in range(1000))
     b.feed([RoundStarted(round_id=1, cohort=cohort, model_version=0)], at=0.0, bytes_in=0,
            bytes_out=0)
     s = b.snapshot(at=0.0, bytes_in=0, bytes_out=0)
     assert s.cohort_size == 1000 and s.cohort == cohort[:64]
+    for i, d in enumerate(cohort):  # heard from: listed up to the page's limit
+        b.feed([StatusSeen(device=d, status="online", removed=False)], at=float(i),
+               bytes_in=0, bytes_out=0)
+    s = b.snapshot(at=0.0, bytes_in=0, bytes_out=0)
+    assert s.devices_seen == 1000 and len(s.devices) == 500
+    assert s.devices[0].device == "d0999" and s.devices[-1].device == "d0500"
 
 
 def test_json_is_strict_and_complete() -> None:

@@ -30,7 +30,7 @@ from edge_sdk.ledger import Ledger
 pytestmark = pytest.mark.browser
 
 BUDGET = 1000.0  # test_services enrolls every device with this local epsilon
-ROUNDS = 8  # policy.max_rounds
+ROUNDS = 12  # policy.max_rounds
 
 
 @pytest.fixture
