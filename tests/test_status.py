@@ -199,3 +199,14 @@ def test_page_script_is_the_one_the_policy_admits_and_never_parses_html() -> Non
     # text only: no API that parses a string as HTML or code
     assert not re.search(r"innerHTML|outerHTML|insertAdjacentHTML|document\.write|eval\(",
                          _SCRIPT)
+
+
+def test_an_address_in_use_is_an_os_error() -> None:
+    srv = serve_http("127.0.0.1", 0, registry=CollectorRegistry(), status=lambda: b"{}")
+    try:
+        with pytest.raises(OSError):
+            serve_http("127.0.0.1", srv.server_address[1], registry=CollectorRegistry(),
+                       status=lambda: b"{}")
+    finally:
+        srv.shutdown()
+        srv.server_close()
