@@ -47,12 +47,13 @@ selected.
 Events (h11 style): the machine tells its driver what happened as frozen values, oldest
 first, from :meth:`take_events`: the round's course (:class:`RoundStarted`,
 :class:`StageChanged`, :class:`RoundEnded`), its peers (:class:`Rejected`,
-:class:`Duplicate`, :class:`Declined`, :class:`StatusSeen`) and the isolation between
-them (:class:`Quarantined`, :class:`Released`, :class:`Resent`). Drivers learn from these
-alone, never by diffing the machine's state or listening to its log (which is for
-humans): the MQTT service turns them into JSON log lines, metrics and (un)subscriptions
-(``subscriptions(per_device=True)`` lists per-device filters, so that unsubscribing one
-device makes the broker discard its traffic), the fleet simulator into its round records.
+:class:`Duplicate`, :class:`Declined`, :class:`StatusSeen`, :class:`CheckInSeen`) and the
+isolation between them (:class:`Quarantined`, :class:`Released`, :class:`Resent`).
+Drivers learn from these alone, never by diffing the machine's state or listening to its
+log (which is for humans): the MQTT service turns them into JSON log lines, metrics,
+(un)subscriptions (``subscriptions(per_device=True)`` lists per-device filters, so that
+unsubscribing one device makes the broker discard its traffic) and its status page
+(``aggregator.status``), the fleet simulator into its round records.
 Within one call the order is the order things happened: a round's last call gives any
 :class:`Released` (the round's end lifts quarantines), then :class:`RoundEnded`, then the
 :class:`StageChanged` to ``"idle"``.
@@ -113,6 +114,7 @@ from edge_sdk.wire import (
 )
 
 __all__ = [
+    "CheckInSeen",
     "Declined",
     "Duplicate",
     "Event",
@@ -209,6 +211,19 @@ class StatusSeen:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class CheckInSeen:
+    """``device``'s check-in was accepted (signature verified): what the device reports of
+    itself. ``remaining_epsilon``: local epsilon left in its budget, its ledger's figure as
+    the device states it (the aggregator cannot check it); ``data_size``: its training
+    samples; ``model_version``: the model it holds (-1: none)."""
+
+    device: str
+    remaining_epsilon: float
+    data_size: int
+    model_version: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Rejected:
     """A message refused; it changed nothing.
 
@@ -279,8 +294,8 @@ class RoundEnded:
     declined: tuple[str, ...]
 
 
-Event = (Quarantined | Released | Resent | StatusSeen | Rejected | Duplicate | Declined
-         | RoundStarted | StageChanged | RoundEnded)
+Event = (Quarantined | Released | Resent | StatusSeen | CheckInSeen | Rejected | Duplicate
+         | Declined | RoundStarted | StageChanged | RoundEnded)
 
 
 @dataclass(slots=True)
@@ -600,6 +615,10 @@ class RoundMachine:
         if isinstance(msg, CheckIn):
             self._reg.verify_message(msg)
             self._available[device] = msg
+            self._events.append(CheckInSeen(device=device,
+                                            remaining_epsilon=msg.remaining_epsilon,
+                                            data_size=msg.data_size,
+                                            model_version=msg.model_version))
             return self._maybe_start(now)
         r = self._round
         if r is None or msg.round_id != r.plan.round_id:  # type: ignore[union-attr]

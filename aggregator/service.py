@@ -40,7 +40,9 @@ Observability:
 * The service subscribes per device and unsubscribes a quarantined device's filters, so
   the broker discards its traffic until the quarantine ends (``aggregator.guard``).
 * Prometheus text exposition (``prometheus-client``, the ``gateway`` extra) on
-  ``metrics_host:metrics_port`` when a port is configured (0: any free port).
+  ``metrics_host:metrics_port`` when a port is configured (0: any free port), at
+  ``/metrics``; the same server has the live status page at ``/status`` (its JSON at
+  ``/status.json``), built from the same events (``aggregator.status``).
 
 Errors are those of the pieces: ``ConfigError`` (``edge_sdk.config``) for unusable
 configuration or key files, ``AggregatorError`` subclasses for checkpoints.
@@ -78,6 +80,7 @@ from aggregator.rounds import (
     StageChanged,
     StatusSeen,
 )
+from aggregator.status import StatusBoard, serve_http, snapshot_json
 from aggregator.store import CheckpointStore
 from edge_sdk import wire
 from edge_sdk.config import (
@@ -315,10 +318,8 @@ class _Metrics:
             self.stage.labels(stage=s).set(0)
         self._server: Any = None
 
-    def serve(self, host: str, port: int) -> int:
-        from prometheus_client import start_http_server
-
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, status: Callable[[], bytes]) -> int:
+        self._server = serve_http(host, port, registry=self.registry, status=status)
         return int(self._server.server_address[1])
 
     def text(self) -> str:
@@ -432,9 +433,13 @@ class AggregatorService:
                                    backoff_max_s=config.backoff_max_s, max_inflight=100),
                       self.endpoint)
         self._gauges()
+        self.status = StatusBoard(fleet=config.fleet, stage=self.machine.stage,
+                                  round_id=self._open_round(),
+                                  model_version=self.machine.model_version)
         try:
             if config.metrics_port is not None:
-                self.metrics_port = self.metrics.serve(config.metrics_host, config.metrics_port)
+                self.metrics_port = self.metrics.serve(config.metrics_host, config.metrics_port,
+                                                       self._status_json)
         except OSError as e:
             self._detach()
             raise ConfigError(f"metrics endpoint {config.metrics_host}:{config.metrics_port}: "
@@ -493,6 +498,11 @@ class AggregatorService:
         """Write one JSON log line."""
         self._out.write(json.dumps({"ts": round(self._wall(), 3), **event}) + "\n")
         self._out.flush()
+
+    def _status_json(self) -> bytes:
+        """The status page's JSON now (called from the HTTP server's threads)."""
+        return snapshot_json(self.status.snapshot(at=self._wall(), bytes_in=self._bytes_in,
+                                                  bytes_out=self._bytes_out))
 
     def _open_round(self) -> int | None:
         plan = self.machine.current_plan
@@ -573,8 +583,13 @@ class AggregatorService:
         sent = sum(len(p.payload) for p in out)
         self._bytes_out += sent
         self.metrics.sent.inc(sent)
-        for ev in self.machine.take_events():
+        events = self.machine.take_events()
+        for ev in events:
             self._event(ev, now, sent)
+        # a round started in this call owns the bytes it sent (as in the round_end line)
+        starts = any(isinstance(ev, RoundStarted) for ev in events)
+        self.status.feed(events, at=self._wall(), bytes_in=self._bytes_in,
+                         bytes_out=self._bytes_out - (sent if starts else 0))
         self._gauges()
         return out
 

@@ -207,6 +207,6 @@ def test_no_event_is_lost_between_takes(tmp_path: Path, digits: Any, engine: Any
         runs.append([_view(e) for e in evs])
         fleet.close()
     assert runs[0] == runs[1]
-    kinds = [v[0] for v in runs[0]]
+    kinds = [v[0] for v in runs[0] if v[0] != "CheckInSeen"]  # check-ins come any time
     assert kinds[:2] == ["RoundStarted", "StageChanged"] and kinds[-2:] == [
         "RoundEnded", "StageChanged"] and kinds.count("StageChanged") == 5

@@ -4,8 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# systemd: systemd-analyze, which tests/test_deploy_units.py runs on deploy/systemd
-debs=(dataset-fashion-mnist mosquitto mosquitto-clients systemd)
+# systemd: systemd-analyze, which tests/test_deploy_units.py runs on deploy/systemd;
+# chromium + chromium-driver: the status page's browser test (tests/test_status_page.py)
+debs=(dataset-fashion-mnist mosquitto mosquitto-clients systemd chromium chromium-driver)
 missing=()
 for pkg in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
