@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch.func import functional_call, grad, vmap
 
@@ -54,8 +54,10 @@ class TorchGraph:
         return GradResult(out[0].numpy(), out[1].numpy(), [g.numpy() for g in out[2:]])
 
 
-def _torch_per_sample(spec: ModelSpec, params, x, y) -> np.ndarray:
-    module = build_module(spec, params)
+def _torch_per_sample(spec: ModelSpec, params, x, y, dtype=torch.float32) -> np.ndarray:
+    """torch.func's per-sample gradients of the float32 ``params`` at ``x``, computed in
+    ``dtype`` (float64: the reference the float32 engines are judged against)."""
+    module = build_module(spec, params).to(dtype)
     names = [n for n, _ in module.named_parameters()]
     weights = {n: p.detach() for n, p in module.named_parameters()}
 
@@ -63,7 +65,8 @@ def _torch_per_sample(spec: ModelSpec, params, x, y) -> np.ndarray:
         out = functional_call(module, w, (xi[None],))
         return torch.nn.functional.cross_entropy(out, yi[None])
 
-    g = vmap(grad(loss), in_dims=(None, 0, 0))(weights, torch.tensor(x), torch.tensor(y))
+    g = vmap(grad(loss), in_dims=(None, 0, 0))(weights, torch.tensor(x, dtype=dtype),
+                                                torch.tensor(y))
     return torch.cat([g[n].reshape(len(y), -1) for n in names], dim=1).numpy()
 
 
@@ -81,11 +84,18 @@ def check_against_torch_func(spec: ModelSpec, engines, *, b: int, seed: int,
     if x is None:
         x, y = _batch(spec, b, rng)
     b = len(y)
-    ref = _torch_per_sample(spec, params, x, y)
+    # The reference is torch.func in float64 from the same float32 parameters and inputs.
+    ref = _torch_per_sample(spec, params, x, y, torch.float64)
+    torch32 = _torch_per_sample(spec, params, x, y)
     # float32: relative 1e-5 of the largest entry, plus 2e-6 absolute for confident
     # predictions, where d = softmax - onehot cancels (|d| ~ 1e-3 carries ~1e-7 of rounding,
-    # times activations of a few units; torch.func's own float32 error is of that size).
-    tol = 1e-5 * float(np.abs(ref).max()) + 2e-6
+    # times activations of a few units). At an ill-conditioned point (a GroupNorm group of
+    # two nearly equal values: 1/sqrt(var + eps) amplifies every rounding) no float32
+    # computation does better than its conditioning allows; there the engines may err by
+    # twice what torch.func's own float32 computation errs by against the float64 reference.
+    # (Hypothesis found such a point: torch float32 off by 1.4e-3 of 9.0, ours by 3.0e-4.)
+    tol = max(1e-5 * float(np.abs(ref).max()) + 2e-6,
+              2.0 * float(np.abs(torch32 - ref).max()))
     logits = build_module(spec, params)(torch.tensor(x)).detach().numpy()
     for engine in engines:
         if not isinstance(engine, TorchGraph):  # the inference graph / numpy forward
@@ -490,6 +500,10 @@ def _perturbed(spec: ModelSpec, rng: np.random.Generator) -> list[np.ndarray]:
 @given(variant=st.sampled_from(NORM_VARIANTS), groups=st.integers(1, 3),
        per_group=st.integers(1, 3), size=st.integers(2, 6), first=st.booleans(), act=ACTS,
        b=st.integers(1, 5), seed=st.integers(0, 2**16))
+# an ill-conditioned GroupNorm (groups of two values) hypothesis once found: float32 cannot
+# match float64 to 1e-5 there, torch.func included (see check_against_torch_func's tol)
+@example(variant="gn-vec", groups=3, per_group=2, size=2, first=False, act=Tanh(), b=1,
+         seed=88)
 def test_norms_match_torch_func(variant, groups, per_group, size, first, act, b, seed) -> None:
     from hypothesis import assume
 
