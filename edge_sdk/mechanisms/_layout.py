@@ -1,5 +1,6 @@
-"""The model's layout for a server half: its parameter shapes, and a flat delta put back
-into them (shared by the mechanisms whose server state is only the layout)."""
+"""What the real-valued mechanisms share: the model's layout for a server half (its
+parameter shapes, and a flat delta put back into them) and, on the device, the encoding of
+real values into the round's ring (optional QSGD, clamp, fixed point)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Layout", "layout_of", "shaped"]
+from edge_sdk import compress
+from edge_sdk.fixedpoint import FixedPoint
+
+__all__ = ["Layout", "encode_reals", "layout_of", "shaped"]
 
 Layout = tuple[tuple[int, ...], ...]  # the model's parameter shapes, graph order
 
@@ -41,3 +45,16 @@ def shaped(kept: np.ndarray, dim: int, coords: np.ndarray | None,
         out.append(dense[start : start + n].reshape(shape).astype(np.float32))
         start += n
     return out
+
+
+def encode_reals(values: np.ndarray, *, quant_levels: int, value_bound: float,
+                 fixed_point: FixedPoint, rng: np.random.Generator) -> tuple[np.ndarray, int]:
+    """(Ring residues of ``values``, how many were clamped): QSGD at ``quant_levels`` (0:
+    none), then clamping to [-value_bound, value_bound], then fixed-point stochastic
+    rounding. Draws from ``rng`` in that order (QSGD, then the rounding), the order the
+    fleet pins fix. Clamping is post-processing: it changes no privacy figure."""
+    if quant_levels:
+        values = compress.dequantize(compress.quantize(values, quant_levels, rng))
+    clamped = int(np.count_nonzero(np.abs(values) > value_bound))
+    values = np.clip(values, -value_bound, value_bound)
+    return fixed_point.encode(values, rng), clamped

@@ -24,7 +24,6 @@ scattered onto the coordinate set (zeros elsewhere) and shaped like the model.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -34,6 +33,7 @@ import numpy as np
 from edge_sdk import compress
 from edge_sdk.engine import Engine
 from edge_sdk.fixedpoint import FixedPoint
+from edge_sdk.mechanisms._layout import Layout, encode_reals, layout_of, shaped
 from edge_sdk.mechanisms.base import Contribution
 from edge_sdk.model import flatten_params
 from edge_sdk.privacy.aggregate import aggregate_event
@@ -42,8 +42,6 @@ from edge_sdk.train import LocalTraining, local_round, round_event
 from edge_sdk.wire import GaussianParams, RoundPlan
 
 __all__ = ["Gaussian", "GaussianDevice", "GaussianRound", "GaussianServer"]
-
-Layout = tuple[tuple[int, ...], ...]  # the model's parameter shapes, graph order
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -124,11 +122,9 @@ class GaussianDevice:
         res = local_round(engine, list(params), x, y, p.training, rng, coords=coords)
         flat = flatten_params(res.update).astype(np.float64)
         values = flat if coords is None else flat[coords]
-        if p.quant_levels:
-            values = compress.dequantize(compress.quantize(values, p.quant_levels, rng))
-        clamped = int(np.count_nonzero(np.abs(values) > p.value_bound))
-        values = np.clip(values, -p.value_bound, p.value_bound)
-        residues = p.fixed_point.encode(values, rng)
+        residues, clamped = encode_reals(values, quant_levels=p.quant_levels,
+                                         value_bound=p.value_bound,
+                                         fixed_point=p.fixed_point, rng=rng)
         event, aggregate = self.events(m=len(y), honest=honest)
         return Contribution(values=residues, event=event, aggregate_event=aggregate,
                             num_samples=res.num_samples, mean_loss=res.mean_loss,
@@ -148,11 +144,7 @@ class GaussianServer:
         Raises:
             ValueError: the model does not have the ``dim`` parameters of the round.
         """
-        shapes = tuple(tuple(int(n) for n in np.shape(p)) for p in params)
-        if sum(math.prod(s) for s in shapes) != self.params.dim:
-            raise ValueError(f"a model of shapes {shapes} does not have the round's "
-                             f"{self.params.dim} parameters")
-        return shapes
+        return layout_of(params, self.params.dim)
 
     def decode(self, total: np.ndarray, survivors: int, state: Layout, *,
                coords: np.ndarray | None) -> tuple[list[np.ndarray], Layout]:
@@ -161,17 +153,7 @@ class GaussianServer:
         of the layout ``state``; the state unchanged."""
         p = self.params
         mean = p.fixed_point.decode(total, survivors) / survivors
-        dense = np.zeros(p.dim, dtype=np.float64)
-        if coords is not None:
-            dense[coords] = mean
-        else:
-            dense[:] = mean
-        delta, start = [], 0
-        for shape in state:
-            n = math.prod(shape)
-            delta.append(dense[start : start + n].reshape(shape).astype(np.float32))
-            start += n
-        return delta, state
+        return shaped(mean, p.dim, coords, state), state
 
 
 class Gaussian:

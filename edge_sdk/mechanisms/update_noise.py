@@ -44,10 +44,9 @@ from typing import ClassVar
 
 import numpy as np
 
-from edge_sdk import compress
 from edge_sdk.engine import Engine
 from edge_sdk.fixedpoint import FixedPoint
-from edge_sdk.mechanisms._layout import Layout, layout_of, shaped
+from edge_sdk.mechanisms._layout import Layout, encode_reals, layout_of, shaped
 from edge_sdk.mechanisms.base import Contribution
 from edge_sdk.model import flatten_params
 from edge_sdk.privacy.aggregate import aggregate_event
@@ -234,11 +233,9 @@ class UpdateNoiseDevice:
         res = local_round_update_noise(engine, list(params), x, y, p.training, rng,
                                        update_clip=p.update_clip)
         values = flatten_params(res.update).astype(np.float64)
-        if p.quant_levels:
-            values = compress.dequantize(compress.quantize(values, p.quant_levels, rng))
-        clamped = int(np.count_nonzero(np.abs(values) > p.value_bound))
-        values = np.clip(values, -p.value_bound, p.value_bound)
-        residues = p.fixed_point.encode(values, rng)
+        residues, clamped = encode_reals(values, quant_levels=p.quant_levels,
+                                         value_bound=p.value_bound,
+                                         fixed_point=p.fixed_point, rng=rng)
         event, aggregate = self.events(m=len(y), honest=honest)
         return Contribution(values=residues, event=event, aggregate_event=aggregate,
                             num_samples=res.num_samples, mean_loss=res.mean_loss,
