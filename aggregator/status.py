@@ -331,7 +331,7 @@ function spend(d) {  // spent / budget (epsilon at delta) and a bar of spent / b
   box.append(el("span", d.spent_epsilon.toFixed(4), "spent"), " / ",
              el("span", d.budget_epsilon.toFixed(4), "budget"),
              " (\u03b5 at \u03b4 = ", el("span", d.budget_delta.toExponential(1), "delta"),
-             ") ", bar);
+             ")", bar);  // the bar keeps its distance by its margin
   return box;
 }
 function render(s) {
@@ -394,7 +394,8 @@ dl { display: grid; grid-template-columns: max-content auto; gap: .2em 1em; marg
 dt { color: #666; } dd { margin: 0; font-weight: 600; }
 table { border-collapse: collapse; } td, th { padding: .15em .6em; text-align: right; }
 th { background: #eee; } tr:nth-child(even) td { background: #f7f7f7; }
-td.name { text-align: left; font-family: monospace; } .ok { color: #070; }
+td.name { text-align: left; font-family: monospace; white-space: nowrap; }
+td.eps { white-space: nowrap; } .ok { color: #070; }
 .bad { color: #a00; } .note { color: #666; font-size: .9em; } #error { color: #a00; }
 .bar { display: inline-block; width: 8em; height: .8em; background: #ddd;
        vertical-align: middle; margin-left: .4em; } .bar .fill { display: block;

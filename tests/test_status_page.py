@@ -37,7 +37,7 @@ ROUNDS = 12  # policy.max_rounds
 
 @pytest.fixture
 def browser(tmp_path: Path) -> Iterator[Browser]:
-    b = Browser(tmp_path / "chromium")
+    b = Browser(tmp_path / "chromium", height=1400)  # the screenshot reaches the devices
     yield b
     b.close()
 

@@ -1,6 +1,6 @@
-"""Every message of a round, declared on :mod:`edge_sdk.wire.schema` (protocol 4).
+"""Every message of a round, declared on :mod:`edge_sdk.wire.schema` (protocol 5).
 
-One envelope ``{"v": 4, "kind", "round", "from" | "to", ...fields, "sig"?}``, one naming
+One envelope ``{"v": 5, "kind", "round", "from" | "to", ...fields, "sig"?}``, one naming
 rule (:func:`~edge_sdk.wire.schema.Name`), one decoder with caps and one signature rule for
 every kind; ``tests/golden/wire_vectors.json`` pins each encoding. Topics
 (``edge_sdk.wire.topics``) end with the kind::
