@@ -136,7 +136,8 @@ __all__ = [
 logger = logging.getLogger("aggregator.rounds")
 
 SNAPSHOT_FORMAT = "fedge-rounds"
-SNAPSHOT_VERSION = 2  # 2: protocol 4 (masked parts replayed by the server; no reassembler)
+SNAPSHOT_VERSION = 3  # 2: protocol 4 (masked parts replayed by the server; no reassembler);
+# 3: protocol 5 (the held check-ins state spent and budget)
 _HISTORY = 32  # outcomes kept (the snapshot stays bounded over a long-lived fleet)
 _RESENDS = 3  # re-sends of a stage's requests, at 1/4, 2/4 and 3/4 of its timeout
 _EVENTS = 4096  # events kept for a driver that does not take them (oldest dropped)
@@ -213,12 +214,17 @@ class StatusSeen:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CheckInSeen:
     """``device``'s check-in was accepted (signature verified): what the device reports of
-    itself. ``remaining_epsilon``: local epsilon left in its budget, its ledger's figure as
-    the device states it (the aggregator cannot check it); ``data_size``: its training
-    samples; ``model_version``: the model it holds (-1: none)."""
+    itself, its ledger's figures as the device states them (the aggregator cannot check
+    them; local epsilon in nats, zero-out adjacency). ``remaining_epsilon``: left in its
+    budget; ``spent_epsilon``: spent at ``budget_delta`` (None: the device could not read
+    its ledger); ``budget_epsilon``, ``budget_delta``: its budget; ``data_size``: its
+    training samples; ``model_version``: the model it holds (-1: none)."""
 
     device: str
     remaining_epsilon: float
+    spent_epsilon: float | None
+    budget_epsilon: float
+    budget_delta: float
     data_size: int
     model_version: int
 
@@ -617,6 +623,9 @@ class RoundMachine:
             self._available[device] = msg
             self._events.append(CheckInSeen(device=device,
                                             remaining_epsilon=msg.remaining_epsilon,
+                                            spent_epsilon=msg.spent_epsilon,
+                                            budget_epsilon=msg.budget_epsilon,
+                                            budget_delta=msg.budget_delta,
                                             data_size=msg.data_size,
                                             model_version=msg.model_version))
             return self._maybe_start(now)

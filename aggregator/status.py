@@ -17,11 +17,13 @@ What the page shows and where each figure comes from:
 * devices seen (``max_devices`` most recently seen are kept; an enrolled fleet bounds
   them anyway) and when: the last status-topic message (``StatusSeen``) and the last
   accepted check-in (``CheckInSeen``);
-* each device's remaining privacy budget, local epsilon (nats, zero-out adjacency, the
-  ledger's unit) *as reported by the device* in its last signed check-in
-  (``CheckIn.remaining_epsilon``, its ledger's ``remaining()``). The aggregator cannot
-  check it, and it is not told the device's total budget: spend against budget lives in
-  the device's ledger (``fedge ledger show``);
+* each device's privacy spend against its budget, local epsilon (nats, zero-out adjacency,
+  the ledger's unit) at the budget's delta, *as reported by the device* in its last signed
+  check-in (``CheckIn.spent_epsilon``, ``budget_epsilon``, ``budget_delta``: its ledger's
+  ``spent().local_epsilon`` and ``budget``), with a bar of spent / budget, and the
+  remaining epsilon it reported (``remaining()``). The aggregator cannot check them: they
+  are the device's statements (its ledger, ``fedge ledger show``, is the record). A spend
+  the device could not read is shown as not reported, never as zero;
 * accuracy per round: only when the aggregator has an evaluation set; it has none today
   (``evaluation`` is None and the page says so; the simulators measure accuracy).
 
@@ -74,8 +76,10 @@ class DeviceView:
     Attributes:
         device: its name. status / status_at: its last status-topic payload (what the
             device or its broker will sent, e.g. ``online``) and when.
-        checkin_at: its last accepted check-in; remaining_epsilon, data_size,
-            model_version: what that check-in reported (None before one).
+        checkin_at: its last accepted check-in; remaining_epsilon, spent_epsilon,
+            budget_epsilon, budget_delta, data_size, model_version: what that check-in
+            reported (None before one; spent_epsilon also None when the device could not
+            read its ledger). Epsilon: local, nats, zero-out adjacency, at budget_delta.
         quarantined: its messages are being dropped (flood guard).
         last_round: the last round whose cohort it was in; last_uploaded: the last round
             whose upload from it was accepted (it spent budget on that round).
@@ -87,6 +91,9 @@ class DeviceView:
     status_at: float | None = None
     checkin_at: float | None = None
     remaining_epsilon: float | None = None
+    spent_epsilon: float | None = None
+    budget_epsilon: float | None = None
+    budget_delta: float | None = None
     data_size: int | None = None
     model_version: int | None = None
     quarantined: bool = False
@@ -193,8 +200,11 @@ class StatusBoard:
         if isinstance(ev, StatusSeen):
             self._device(ev.device, at, status=ev.status, status_at=at)
         elif isinstance(ev, CheckInSeen):
-            eps = ev.remaining_epsilon if math.isfinite(ev.remaining_epsilon) else None
-            self._device(ev.device, at, checkin_at=at, remaining_epsilon=eps,
+            self._device(ev.device, at, checkin_at=at,
+                         remaining_epsilon=_finite(ev.remaining_epsilon),
+                         spent_epsilon=_finite(ev.spent_epsilon),
+                         budget_epsilon=_finite(ev.budget_epsilon),
+                         budget_delta=_finite(ev.budget_delta),
                          data_size=ev.data_size, model_version=ev.model_version)
         elif isinstance(ev, Quarantined):
             self._device(ev.device, at, quarantined=True)
@@ -257,6 +267,12 @@ class StatusBoard:
                 evaluation=None)
 
 
+def _finite(x: float | None) -> float | None:
+    """``x`` when it is a finite figure, else None (not reported: strict JSON has no inf,
+    and the wire never lets one through anyway)."""
+    return x if x is not None and math.isfinite(x) else None
+
+
 def snapshot_json(snap: Snapshot) -> bytes:
     """``snap`` as the UTF-8 JSON ``/status.json`` serves (no NaN: strict JSON)."""
     return json.dumps(asdict(snap), allow_nan=False, separators=(",", ":")).encode()
@@ -291,9 +307,32 @@ function rows(body, items, cells) {
   tb.replaceChildren();
   for (const it of items) {
     const tr = document.createElement("tr");
-    for (const [text, cls] of cells(it)) tr.appendChild(el("td", text, cls));
+    for (const [content, cls] of cells(it)) {  // text, or a node built with el()
+      const node = content instanceof Node;
+      const td = el("td", node ? undefined : content, cls);
+      if (node) td.appendChild(content);
+      tr.appendChild(td);
+    }
     tb.appendChild(tr);
   }
+}
+function spend(d) {  // spent / budget (epsilon at delta) and a bar of spent / budget
+  const box = el("span", undefined, "spend");
+  if (d.spent_epsilon === null || d.budget_epsilon === null) {
+    box.appendChild(el("span", "not reported", "spent"));
+    return box;
+  }
+  const frac = d.spent_epsilon / d.budget_epsilon;
+  const bar = el("span", undefined, "bar" + (frac >= 1 ? " full" : ""));
+  const fill = el("span", undefined, "fill");
+  fill.style.width = (100 * Math.min(1, Math.max(0, frac))).toFixed(1) + "%";
+  bar.appendChild(fill);
+  bar.title = (100 * frac).toFixed(1) + "% of the budget spent";
+  box.append(el("span", d.spent_epsilon.toFixed(4), "spent"), " / ",
+             el("span", d.budget_epsilon.toFixed(4), "budget"),
+             " (\u03b5 at \u03b4 = ", el("span", d.budget_delta.toExponential(1), "delta"),
+             ")", bar);  // the bar keeps its distance by its margin
+  return box;
 }
 function render(s) {
   $("fleet").textContent = s.fleet;
@@ -322,7 +361,7 @@ function render(s) {
     [bytes(r.bytes_out)], [r.duration_s.toFixed(1) + " s"], [ago(r.ended_at, s.at)]]);
   rows("devices", s.devices, (d) => [
     [d.device, "name"], [d.status === null ? "-" : d.status], [ago(d.status_at, s.at)],
-    [ago(d.checkin_at, s.at)],
+    [ago(d.checkin_at, s.at)], [spend(d), "eps"],
     [d.remaining_epsilon === null ? "not reported" : d.remaining_epsilon.toFixed(4), "eps"],
     [d.data_size === null ? "-" : d.data_size], [d.model_version === null ? "-" :
                                                  d.model_version],
@@ -355,8 +394,12 @@ dl { display: grid; grid-template-columns: max-content auto; gap: .2em 1em; marg
 dt { color: #666; } dd { margin: 0; font-weight: 600; }
 table { border-collapse: collapse; } td, th { padding: .15em .6em; text-align: right; }
 th { background: #eee; } tr:nth-child(even) td { background: #f7f7f7; }
-td.name { text-align: left; font-family: monospace; } .ok { color: #070; }
+td.name { text-align: left; font-family: monospace; white-space: nowrap; }
+td.eps { white-space: nowrap; } .ok { color: #070; }
 .bad { color: #a00; } .note { color: #666; font-size: .9em; } #error { color: #a00; }
+.bar { display: inline-block; width: 8em; height: .8em; background: #ddd;
+       vertical-align: middle; margin-left: .4em; } .bar .fill { display: block;
+       height: 100%; background: #37a; } .bar.full .fill { background: #a00; }
 """
 
 
@@ -392,12 +435,13 @@ def _page() -> tuple[bytes, str]:
 <th>declined</th><th>dropped</th><th>bytes in</th><th>bytes out</th><th>duration</th>
 <th>ended</th></tr></thead><tbody id="rounds"></tbody></table>
 <h2>Devices</h2>
-<p class="note">Remaining privacy budget: local &epsilon; (nats, zero-out adjacency) left in
-the device's ledger, <b>as reported by the device</b> in its last signed check-in; the
-aggregator cannot verify it and does not know the device's total budget (the device's
-ledger does: <code>fedge ledger show</code>). <span id="forgotten"></span></p>
+<p class="note">Privacy spend against budget: local &epsilon; (nats, zero-out adjacency) at
+the budget's &delta;, spent / budget, from the device's ledger <b>as reported by the
+device</b> in its last signed check-in; the aggregator cannot verify it (the device's
+ledger is the record: <code>fedge ledger show</code>). <span id="forgotten"></span></p>
 <table><thead><tr><th>device</th><th>status</th><th>status seen</th><th>last check-in</th>
-<th>&epsilon; remaining (reported by the device)</th><th>samples</th><th>model</th>
+<th>&epsilon; spent / budget (&epsilon; at &delta;), reported by the device</th>
+<th>&epsilon; remaining</th><th>samples</th><th>model</th>
 <th>last cohort</th><th>last upload</th><th></th></tr></thead><tbody id="devices"></tbody>
 </table>
 <script>{_SCRIPT}</script>

@@ -144,11 +144,15 @@ _SILENT = "silent"
 class CheckedIn:
     """A check-in left: on connect, when a round ends, or repeated (``checkin_every``).
     Its fields are the check-in's: the adopted model, the local data set's size (samples)
-    and the ledger's remaining epsilon."""
+    and the ledger's figures: remaining epsilon, spent epsilon (None: unreadable) and the
+    budget (epsilon, delta)."""
 
     model_version: int
     data_size: int
     remaining_epsilon: float
+    spent_epsilon: float | None
+    budget_epsilon: float
+    budget_delta: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -562,18 +566,23 @@ class DeviceSession:
 
     def _checkin(self, now: float) -> Publish:
         """The check-in to publish now (it restarts the ``checkin_every`` clock)."""
+        budget = self._ledger.budget  # fixed at the ledger's creation: no read to fail
+        spent: float | None
         try:
+            spent = float(self._ledger.spent().local_epsilon)  # at the budget's delta
             remaining = self._ledger.remaining()
             size = len(self._data()[1])
         except (LedgerError, ValueError) as e:
             logger.error("%s: cannot read the ledger for check-in: %s", self.device, e)
-            remaining, size = 0.0, 0
+            spent, remaining, size = None, 0.0, 0  # no figure, never a low one
+        if spent is not None and not math.isfinite(spent):
+            spent = None  # the wire carries finite figures; "unbounded" is not one
+        figures = {"remaining_epsilon": float(remaining), "spent_epsilon": spent,
+                   "budget_epsilon": float(budget.epsilon), "budget_delta": float(budget.delta)}
         msg = wire.sign(CheckIn(round_id=self._last_round, sender=self.device, data_size=size,
-                                remaining_epsilon=float(remaining),
-                                model_version=self._version), self._idn)
+                                model_version=self._version, **figures), self._idn)
         if self._checkin_every is not None:
             self._next_checkin = now + self._checkin_every
-        self._events.append(CheckedIn(model_version=self._version, data_size=size,
-                                      remaining_epsilon=float(remaining)))
+        self._events.append(CheckedIn(model_version=self._version, data_size=size, **figures))
         return Publish(wire.device_up_topic(self.fleet, self.device, "checkin"),
                        wire.encode(msg))

@@ -92,10 +92,32 @@ def test_connect_and_model_adoption(fleet) -> None:
     out = s.on_connect(1.0)
     ck = wire.decode(out[0].payload, wire.UP_KINDS)
     assert s.take_events() == [CheckedIn(model_version=0, data_size=ck.data_size,
-                                         remaining_epsilon=ck.remaining_epsilon)]
+                                         remaining_epsilon=ck.remaining_epsilon,
+                                         spent_epsilon=ck.spent_epsilon,
+                                         budget_epsilon=ck.budget_epsilon,
+                                         budget_delta=ck.budget_delta)]
     retained = fleet.broker.retained[wire.model_topic(FLEET)]
     assert s.on_message(wire.model_topic(FLEET), retained, 2.0) == []
     assert s.take_events() == []  # the model it holds again: no adoption
+
+
+def test_checkin_states_the_ledgers_budget_and_spend(fleet) -> None:
+    """The check-in carries the ledger's budget and its spent local epsilon at the budget's
+    delta (``spent()``); a ledger that cannot be read gives no spend (None), never 0."""
+    s = _fresh(fleet)
+    led = fleet.ledgers[ME]
+    ck = wire.decode(s.on_connect(1.0)[0].payload, wire.UP_KINDS)
+    assert (ck.spent_epsilon, ck.budget_epsilon, ck.budget_delta, ck.remaining_epsilon) == (
+        led.spent().local_epsilon, led.budget.epsilon, led.budget.delta, led.remaining())
+    assert ck.spent_epsilon == 0.0 and ck.budget_epsilon == 50.0 and ck.budget_delta == 1e-5
+    led.close()  # the device can no longer read its ledger
+    s.take_events()
+    ck = wire.decode(s.on_connect(2.0)[0].payload, wire.UP_KINDS)
+    fleet.registry.verify_message(ck)  # still a valid, signed check-in
+    assert (ck.spent_epsilon, ck.remaining_epsilon, ck.data_size) == (None, 0.0, 0)
+    assert (ck.budget_epsilon, ck.budget_delta) == (50.0, 1e-5)  # fixed at creation
+    (ev,) = s.take_events()
+    assert isinstance(ev, CheckedIn) and ev.spent_epsilon is None
 
 
 def test_checkin_every_restarts_on_each_checkin(fleet) -> None:

@@ -358,13 +358,16 @@ def test_bad_inputs_are_rejected_without_state_change(tmp_path, digits, engine, 
                                               max_packet=1024)]
     wrong_round = msgpack.packb({**msgpack.unpackb(adv), "round": 99})
     unsigned_ck = wire.encode(wire.CheckIn(round_id=0, sender=member, data_size=1,
-                                           remaining_epsilon=1.0, model_version=0,
-                                           sig=bytes(64)))
+                                           remaining_epsilon=1.0, spent_epsilon=0.0,
+                                           budget_epsilon=1.0, budget_delta=1e-5,
+                                           model_version=0, sig=bytes(64)))
     nan_ck = msgpack.packb({**msgpack.unpackb(ck), "remaining_epsilon": float("nan")})
+    inf_spent_ck = msgpack.packb({**msgpack.unpackb(ck), "spent_epsilon": float("inf")})
     bad: list[Any] = [
         (topic(FLEET, member, "checkin"), b"\x93garbage"),
         (ck_topic, ck[:-5]),  # truncated
         (ck_topic, nan_ck),
+        (ck_topic, inf_spent_ck),
         (topic(FLEET, member, "checkin"), unsigned_ck),  # mis-signed
         (topic(FLEET, member, "checkin"), next(  # someone else's check-in on this topic
             p for t, p in up["checkin"] if f"/{member}/" not in t)),

@@ -25,7 +25,7 @@ def test_noiseless_fleet_learns_digits() -> None:
     assert len(out["accuracy_per_round"]) == 8
     assert out["bytes_up_payload"] == 8 * 5 * 4 * out["num_params"]
     # per upload: one signed masked_part (64-byte signature, 32-byte digest, envelope) and
-    # its MQTT header, about 223 bytes (protocol 4; the unsigned v2 update was below 200)
+    # its MQTT header, about 223 bytes (protocol 4 and 5; the unsigned v2 update was below 200)
     assert 8 * 5 * 200 < out["bytes_up_overhead"] < 8 * 5 * 256
 
 

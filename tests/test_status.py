@@ -38,13 +38,20 @@ def _ended(round_id: int, cohort: tuple[str, ...], survivors: tuple[str, ...],
         cohort=cohort, declined=declined)
 
 
+def _checkin(device: str, *, remaining: float, spent: float | None, budget: float = 10.0,
+             delta: float = 1e-6, data_size: int = 1, model_version: int = 0) -> CheckInSeen:
+    return CheckInSeen(device=device, remaining_epsilon=remaining, spent_epsilon=spent,
+                       budget_epsilon=budget, budget_delta=delta, data_size=data_size,
+                       model_version=model_version)
+
+
 def test_a_round_from_start_to_end() -> None:
     b = StatusBoard(fleet="lab")
     s = b.snapshot(at=1.0, bytes_in=0, bytes_out=0)
     assert (s.round_id, s.stage, s.rounds, s.devices, s.evaluation) == (None, "idle", (), (),
                                                                         None)
-    b.feed([CheckInSeen(device="a", remaining_epsilon=9.5, data_size=40, model_version=0),
-            CheckInSeen(device="b", remaining_epsilon=8.0, data_size=30, model_version=0)],
+    b.feed([_checkin("a", remaining=9.5, spent=0.5, data_size=40),
+            _checkin("b", remaining=8.0, spent=2.0, budget=10.0, delta=1e-5, data_size=30)],
            at=10.0, bytes_in=100, bytes_out=0)
     b.feed([StatusSeen(device="c", status="online", removed=False)], at=11.0, bytes_in=120,
            bytes_out=0)
@@ -71,8 +78,13 @@ def test_a_round_from_start_to_end() -> None:
     assert [d.device for d in s.devices] == ["c", "a", "b"]  # most recently seen first
     assert (dev["a"].remaining_epsilon, dev["a"].data_size, dev["a"].checkin_at,
             dev["a"].last_round, dev["a"].last_uploaded) == (9.5, 40, 10.0, 4, 4)
+    assert (dev["a"].spent_epsilon, dev["a"].budget_epsilon, dev["a"].budget_delta) == (
+        0.5, 10.0, 1e-6)
+    assert (dev["b"].spent_epsilon, dev["b"].budget_epsilon, dev["b"].budget_delta) == (
+        2.0, 10.0, 1e-5)
     assert (dev["c"].status, dev["c"].status_at, dev["c"].remaining_epsilon,
-            dev["c"].last_uploaded) == ("online", 11.0, None, None)
+            dev["c"].spent_epsilon, dev["c"].budget_epsilon,
+            dev["c"].last_uploaded) == ("online", 11.0, None, None, None, None)
 
 
 def test_failed_round_quarantine_and_news_about_unseen_devices() -> None:
@@ -124,10 +136,20 @@ def test_large_fleets_are_listed_in_part_and_counted_in_full() -> None:
 
 def test_json_is_strict_and_complete() -> None:
     b = StatusBoard(fleet="lab")
-    b.feed([CheckInSeen(device="a", remaining_epsilon=float("inf"), data_size=1,
-                        model_version=0)], at=1.0, bytes_in=0, bytes_out=0)
+    b.feed([_checkin("a", remaining=float("inf"), spent=float("nan"),
+                     budget=float("inf")),
+            _checkin("b", remaining=0.0, spent=None, budget=4.0, delta=1e-6),
+            _checkin("c", remaining=0.0, spent=5.5, budget=4.0)],  # over: the ledger's word
+           at=1.0, bytes_in=0, bytes_out=0)
     d = json.loads(snapshot_json(b.snapshot(at=2.0, bytes_in=3, bytes_out=4)))
-    assert d["devices"][0]["remaining_epsilon"] is None  # not a figure: not reported
+    dev = {x["device"]: x for x in d["devices"]}
+    # not figures: not reported (the wire never lets them through; the board holds anyway)
+    assert (dev["a"]["remaining_epsilon"], dev["a"]["spent_epsilon"],
+            dev["a"]["budget_epsilon"]) == (None, None, None)
+    # a device that could not read its ledger reports no spend: None, never 0
+    assert (dev["b"]["spent_epsilon"], dev["b"]["budget_epsilon"],
+            dev["b"]["budget_delta"]) == (None, 4.0, 1e-6)
+    assert (dev["c"]["spent_epsilon"], dev["c"]["budget_epsilon"]) == (5.5, 4.0)
     assert (d["fleet"], d["bytes_in"], d["bytes_out"], d["evaluation"]) == ("lab", 3, 4, None)
 
 
@@ -147,12 +169,18 @@ def test_the_round_machine_reports_accepted_check_ins(tmp_path, digits, engine) 
     assert sorted(first) == sorted(fleet.sessions)
     for name, ev in first.items():  # nothing spent before: the whole budget
         assert ev.remaining_epsilon == fleet.budget.epsilon == 50.0
+        assert (ev.spent_epsilon, ev.budget_epsilon, ev.budget_delta) == (
+            0.0, 50.0, fleet.budget.delta)
         assert ev.data_size == len(fleet.shards[int(name[1:])]) and ev.model_version == 0
     (outcome,) = m.history
     assert outcome.completed and outcome.uploaded
     for name in outcome.uploaded:  # what the device reports is its ledger's figure
         assert last[name].model_version == 1
         assert last[name].remaining_epsilon == fleet.ledgers[name].remaining() < 50.0
+        spent = fleet.ledgers[name].spent()  # at the budget's delta
+        assert spent.delta == last[name].budget_delta == fleet.budget.delta
+        assert last[name].spent_epsilon == spent.local_epsilon > 0
+        assert last[name].budget_epsilon == fleet.ledgers[name].budget.epsilon == 50.0
     fleet.close()
 
 

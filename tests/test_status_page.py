@@ -2,9 +2,10 @@
 
 A real ``fedge aggregator`` over a real mosquitto with three devices (``test_services``'
 fleet): the page is loaded once and read, from the rendered DOM, while rounds run: the
-round it shows advances without a reload, and each device's remaining epsilon on the page
-(reported by the device in its check-in) equals its ledger's, read from the ledger file.
-Then a device-controlled string is shown as text, never as markup.
+round it shows advances without a reload, and each device's spent and budget epsilon on the
+page (reported by the device in its check-in) equal its ledger's ``spent()`` and budget,
+read from the ledger file, with a bar as wide as spent / budget. Then a device-controlled
+string is shown as text, never as markup.
 
 Chromium is driven through chromedriver's WebDriver HTTP API (``webdriver_support``).
 ``FEDGE_STATUS_SCREENSHOT=<path>`` also saves the live page's screenshot there (how
@@ -17,6 +18,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_services import FLEET, POLICY, ServiceFleet, engine, make_fleet, pump_until  # noqa: F401
@@ -35,13 +37,25 @@ ROUNDS = 12  # policy.max_rounds
 
 @pytest.fixture
 def browser(tmp_path: Path) -> Iterator[Browser]:
-    b = Browser(tmp_path / "chromium")
+    b = Browser(tmp_path / "chromium", height=1400)  # the screenshot reaches the devices
     yield b
     b.close()
 
 
+SPEND, REMAINING = 5, 6  # the device table's columns
+
+
 def _device_cell(name: str, column: int) -> str:
     return f"//tbody[@id='devices']/tr[td[1]={name!r}]/td[{column}]"
+
+
+def _spend(browser: Browser, name: str) -> dict[str, str | None]:
+    """The spend cell's parts as the page renders them (spent, budget, delta: text; None:
+    not shown), read in one call (the page re-renders its tables on every poll)."""
+    cell = _device_cell(name, SPEND)
+    keys = ("spent", "budget", "delta")
+    found = browser.texts(" | ".join(f"{cell}//span[@class={k!r}]" for k in keys))
+    return dict(zip(keys, found, strict=True)) if len(found) == 3 else dict.fromkeys(keys)
 
 
 @pytest.mark.broker
@@ -81,24 +95,40 @@ def test_live_page_follows_the_rounds_and_shows_each_devices_ledger_figure(
     row = browser.texts(f"//tbody[@id='rounds']/tr[td[1]='{first['round']}']/td")
     assert row[:4] == [str(first["round"]), "completed", str(first["cohort"]),
                        str(first["survivors"])], row
-    # each device's remaining epsilon as the page shows it (4 decimals) is its ledger's, read
-    # from the ledger file, once it has spent and checked in since (the in-process devices
-    # stand still while the condition is read: no spend slips in between the two reads)
+    # each device's spent and budget epsilon as the page shows them (4 decimals) are its
+    # ledger's spent() and budget, read from the ledger file, once it has spent and checked
+    # in since (the in-process devices stand still while the condition is read: no spend
+    # slips in between the two reads); its remaining epsilon too
     for name in f.names:
         ledger_file = DeviceConfig.from_toml(f.fleet.device_configs[name]).ledger
-        seen: list[tuple[str | None, float]] = []
+        seen: list[Any] = []
 
         def matches(name: str = name, ledger_file: Path = ledger_file,
-                    seen: list[tuple[str | None, float]] = seen) -> bool:
-            text = browser.text(_device_cell(name, 5))
+                    seen: list[Any] = seen) -> bool:
+            shown = _spend(browser, name)
+            remaining_text = browser.text(_device_cell(name, REMAINING))
             with Ledger.open(ledger_file, device_id=name, create=False) as led:
-                remaining = led.remaining()
-            seen[:] = [(text, remaining)]
-            return (remaining < BUDGET and text not in (None, "not reported")
-                    and abs(float(text) - remaining) <= 0.5e-4)  # type: ignore[arg-type]
+                spent, budget, remaining = led.spent(), led.budget, led.remaining()
+            seen[:] = [shown, remaining_text, spent, budget]
+            return (spent.local_epsilon > 0 and None not in shown.values()
+                    and abs(float(shown["spent"]) - spent.local_epsilon) <= 0.5e-4  # type: ignore[arg-type]
+                    and abs(float(shown["budget"]) - budget.epsilon) <= 0.5e-4  # type: ignore[arg-type]
+                    and remaining_text is not None
+                    and abs(float(remaining_text) - remaining) <= 0.5e-4)
 
-        pump_until(f.loop, matches, 120, f.procs, f"{name}'s figure matching its ledger")
-        assert BUDGET - seen[0][1] > 0.01, seen  # a real spend, not rounding of the budget
+        pump_until(f.loop, matches, 120, f.procs, f"{name}'s figures matching its ledger")
+        shown, _, spent, budget = seen
+        assert budget.epsilon == BUDGET and spent.delta == budget.delta, seen
+        assert spent.local_epsilon > 0.01, seen  # a real spend, not rounding of zero
+        assert float(shown["delta"]) == pytest.approx(budget.delta, rel=0.05), seen  # 1 digit
+        # the bar: its fill is spent / budget of the bar's width
+        bar = f"{_device_cell(name, SPEND)}//span[contains(@class, 'bar')]"
+        frac = browser.script(
+            "const b = document.evaluate(arguments[0], document, null, 9, null)"
+            ".singleNodeValue; return b.firstChild.getBoundingClientRect().width / "
+            "b.getBoundingClientRect().width", bar)
+        assert frac == pytest.approx(spent.local_epsilon / budget.epsilon, abs=0.02), (frac,
+                                                                                     seen)
         assert browser.text(_device_cell(name, 2)) == "online"
     png = tmp_path / "status-page.png"
     browser.screenshot(png)
@@ -111,7 +141,9 @@ def test_device_controlled_text_is_never_markup(browser: Browser) -> None:
     board = StatusBoard(fleet="lab")
     evil = "<img src=x onerror=\"document.title='owned'\"><b>bold</b>"
     board.feed([StatusSeen(device="d1", status=evil, removed=False),
-                CheckInSeen(device="d1", remaining_epsilon=2.5, data_size=9, model_version=0),
+                CheckInSeen(device="d1", remaining_epsilon=2.5, spent_epsilon=1.5,
+                            budget_epsilon=4.0, budget_delta=1e-5, data_size=9,
+                            model_version=0),
                 RoundStarted(round_id=1, cohort=("d1",), model_version=0),
                 StageChanged(round_id=1, stage="collect_keys", prev="idle")],
                at=1.0, bytes_in=0, bytes_out=0)
@@ -126,7 +158,11 @@ def test_device_controlled_text_is_never_markup(browser: Browser) -> None:
                    "the status as text")
         assert browser.count("//tbody[@id='devices']//img | //tbody[@id='devices']//b") == 0
         assert browser.script("return document.title") == "fedge aggregator status"
-        assert browser.text(_device_cell("d1", 5)) == "2.5000"
+        assert browser.text(_device_cell("d1", REMAINING)) == "2.5000"
+        assert _spend(browser, "d1") == {"spent": "1.5000", "budget": "4.0000",
+                                         "delta": "1.0e-5"}
+        assert browser.text(_device_cell("d1", SPEND)) == (
+            "1.5000 / 4.0000 (\u03b5 at \u03b4 = 1.0e-5)")
         assert (browser.text("//*[@id='round']"), browser.text("//*[@id='stage']"),
                 browser.text("//*[@id='bytes-out']"), browser.text("//*[@id='cohort']")) == (
             "1", "collect_keys", "2.0 KiB", "1 device: d1")

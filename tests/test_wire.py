@@ -1,4 +1,4 @@
-"""The round's wire messages (protocol 4): every kind on the one schema, golden vectors,
+"""The round's wire messages (protocol 5): every kind on the one schema, golden vectors,
 signatures, truncations, garbage, the masked upload in parts."""
 
 from __future__ import annotations
@@ -131,7 +131,9 @@ def golden_messages() -> dict[str, wire.Message]:
         stage_timeout=30.0)
     return {
         "checkin": wire.sign(CheckIn(round_id=6, sender="dev-a", data_size=72,
-                                     remaining_epsilon=7.5, model_version=3), devs[0]),
+                                     remaining_epsilon=7.5, spent_epsilon=0.5,
+                                     budget_epsilon=8.0, budget_delta=1e-6,
+                                     model_version=3), devs[0]),
         "plan": wire.sign(plan, agg),
         "decline": wire.sign(Decline(round_id=7, sender="dev-b", reason="budget",
                                      detail="eps 9.1 > 8"), devs[1]),
@@ -174,15 +176,15 @@ def test_golden_vectors_encode_and_decode(messages) -> None:
 
 
 def test_golden_vectors_carry_the_protocol_version() -> None:
-    """Every stored vector is a v4 envelope of its kind (one version for every kind: the
+    """Every stored vector is a v5 envelope of its kind (one version for every kind: the
     SecAgg kinds included), and the decoder refuses it under any other version."""
-    assert PROTOCOL_VERSION == 4
+    assert PROTOCOL_VERSION == 5
     for name, hexed in json.loads(GOLDEN.read_text()).items():
         raw = msgpack.unpackb(bytes.fromhex(hexed), raw=False)
         assert type(raw["v"]) is int and raw["v"] == PROTOCOL_VERSION, name
         assert raw["kind"] == name and isinstance(raw["round"], int)
-        for v in (2, 3, 5, 4.0, True):
-            with pytest.raises(WireError, match="protocol version must be 4"):
+        for v in (2, 3, 4, 6, 5.0, True):
+            with pytest.raises(WireError, match="protocol version must be 5"):
                 decode(msgpack.packb({**raw, "v": v}, use_bin_type=True), ALL_KINDS)
 
 
@@ -282,11 +284,18 @@ def _mutate(msg: wire.Message, **changes) -> bytes:
 
 
 @pytest.mark.parametrize(("name", "changes", "match"), [
-    ("checkin", {"v": 3}, "protocol version must be 4"),  # protocol 3 is refused
+    ("checkin", {"v": 4}, "protocol version must be 5"),  # protocol 4 is refused
     ("checkin", {"v": True}, "protocol version"),
     ("checkin", {"kind": "nope"}, "unknown message kind"),
     ("checkin", {"from": "a/+"}, "field 'from'"),
     ("checkin", {"remaining_epsilon": float("nan")}, "remaining_epsilon"),
+    ("checkin", {"spent_epsilon": float("inf")}, "spent_epsilon"),
+    ("checkin", {"spent_epsilon": -0.5}, "spent_epsilon"),
+    ("checkin", {"spent_epsilon": 1}, "spent_epsilon"),  # an int: one encoding per value
+    ("checkin", {"budget_epsilon": 0.0}, "budget_epsilon"),
+    ("checkin", {"budget_epsilon": float("nan")}, "budget_epsilon"),
+    ("checkin", {"budget_delta": 1.0}, "budget_delta"),
+    ("checkin", {"budget_delta": 0.0}, "budget_delta"),
     ("checkin", {"data_size": -1}, "data_size"),
     ("checkin", {"extra": 1}, "unexpected"),
     ("plan", {"params": {"clip": float("inf")}}, "clip"),
@@ -381,7 +390,25 @@ def golden_wire() -> dict[str, dict[str, Any]]:
 def test_encode_refuses_unsigned() -> None:
     with pytest.raises(ValueError, match="signed before"):
         encode(CheckIn(round_id=0, sender="d", data_size=1, remaining_epsilon=1.0,
+                       spent_epsilon=0.0, budget_epsilon=1.0, budget_delta=1e-6,
                        model_version=0))
+
+
+def test_checkin_states_the_ledgers_spend_as_the_ledger_says_it() -> None:
+    """Spent epsilon travels as the device's ledger states it: None (the ledger could not be
+    read: no figure), zero, or even above the budget (not clipped: the receiver shows the
+    device's word, it does not correct it); signed like every other field."""
+    _, devs, reg = _identities()
+    for spent in (None, 0.0, 12.5):
+        ck = wire.sign(CheckIn(round_id=0, sender="dev-a", data_size=1, remaining_epsilon=0.0,
+                               spent_epsilon=spent, budget_epsilon=8.0, budget_delta=1e-6,
+                               model_version=0), devs[0])
+        back = decode(encode(ck), UP_KINDS)
+        assert back == ck and back.spent_epsilon == spent  # type: ignore[attr-defined]
+        reg.verify_message(back)
+        forged = replace(back, spent_epsilon=1.0)  # a relay cannot lower (or raise) it
+        with pytest.raises(RemoteProtocolError, match="bad signature"):
+            reg.verify_message(forged)
 
 
 _NAME_CHARS = st.characters(codec="utf-8", exclude_categories=("Cs",))

@@ -1,6 +1,6 @@
-"""Every message of a round, declared on :mod:`edge_sdk.wire.schema` (protocol 4).
+"""Every message of a round, declared on :mod:`edge_sdk.wire.schema` (protocol 5).
 
-One envelope ``{"v": 4, "kind", "round", "from" | "to", ...fields, "sig"?}``, one naming
+One envelope ``{"v": 5, "kind", "round", "from" | "to", ...fields, "sig"?}``, one naming
 rule (:func:`~edge_sdk.wire.schema.Name`), one decoder with caps and one signature rule for
 every kind; ``tests/golden/wire_vectors.json`` pins each encoding. Topics
 (``edge_sdk.wire.topics``) end with the kind::
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 from types import MappingProxyType
 from typing import Any, TypeAlias
 
@@ -59,6 +59,7 @@ from edge_sdk.wire.schema import (
     Message,
     Name,
     Names,
+    Optional,
     ParamsOf,
     Record,
     Round,
@@ -348,14 +349,27 @@ class CheckIn(Message):
         round_id: the last round the device saw a plan of (0: none); informational.
         sender: the device (must match the topic's device).
         data_size: number of local training samples.
-        remaining_epsilon: local epsilon left in the device's budget (its ledger's figure).
+        remaining_epsilon: local epsilon left in the device's budget (its ledger's figure,
+            ``Ledger.remaining()``; 0 when the ledger cannot be read).
+        budget_epsilon, budget_delta: the owner's budget the ledger enforces (``Ledger.budget``:
+            local epsilon in nats, zero-out adjacency, at ``budget_delta``).
+        spent_epsilon: the local epsilon (nats) the ledger counts as spent at ``budget_delta``
+            (``Ledger.spent().local_epsilon``, every reservation counted); None when the
+            ledger cannot be read (no figure rather than a made-up one). Reported as the
+            ledger says it, not clipped to the budget.
         model_version: the global model version the device holds (-1: none yet).
+
+    Every figure is the device's own statement: the receiver can check its form (finite,
+    >= 0, a delta in (0, 1)), not its truth.
     """
 
     round_id: int = Round()
     sender: str = From()
     data_size: int = Int(0, 1 << 40)
     remaining_epsilon: float = Float(0.0)
+    budget_epsilon: float = Float(0.0, open_lo=True)
+    budget_delta: float = Float(0.0, 1.0, open_lo=True, open_hi=True)
+    spent_epsilon: float | None = Optional(Float(0.0), default=MISSING)
     model_version: int = Int(-1, ROUND_HI)
     sig: bytes = Sig()
 

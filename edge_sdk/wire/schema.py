@@ -103,11 +103,14 @@ __all__ = [
     "verify",
 ]
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """The envelope's ``"v"``: the one protocol version of every message (4: issue 15's one
-schema; devices and the aggregator are upgraded together)."""
+schema; 5: a check-in states the device's budget and spent epsilon, issue 20). Devices and
+the aggregator are upgraded together."""
 SIGNING_LABEL = b"fedge/wire/v4/sig"
-"""Prefix of every signed byte string (domain separation from every other Ed25519 use)."""
+"""Prefix of every signed byte string (domain separation from every other Ed25519 use).
+Its ``v4`` names the signing rule, unchanged since protocol 4; the protocol version is
+signed anyway, as the envelope's ``"v"``."""
 SIG_BYTES = 64
 ROUND_HI = (1 << 63) - 1
 """Largest round id (rounds are unique per fleet in [0, 2^63))."""
@@ -695,7 +698,7 @@ class Record:
             raise WireError(f"{sch.name}: must be a map, got {_type_name(obj)}")
         if sch.kind is not None:
             v = obj.get("v")
-            if type(v) is not int or v != PROTOCOL_VERSION:  # not True, not 4.0
+            if type(v) is not int or v != PROTOCOL_VERSION:  # not True, not 5.0
                 raise WireError(f"{sch.name}: protocol version must be {PROTOCOL_VERSION}, "
                                 f"got {_show(v)}")
             kind = obj.get("kind")
@@ -982,7 +985,7 @@ def _unpack(data: object, limits: Limits) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise WireError(f"a message must be a map, got {_type_name(obj)}")
     v = obj.get("v")
-    if type(v) is not int or v != PROTOCOL_VERSION:  # not True, not 4.0
+    if type(v) is not int or v != PROTOCOL_VERSION:  # not True, not 5.0
         raise WireError(f"protocol version must be {PROTOCOL_VERSION}, got {_show(v)}")
     return obj
 
