@@ -26,7 +26,9 @@ Observability:
   ``stage`` (round, stage, prev, prev_s: seconds in the previous stage, round_s),
   ``round_end`` (round, completed, cohort, survivors, declined, dropped, bytes_in,
   bytes_out, duration_s, model_version, detail, uploaded: devices whose upload was
-  accepted, i.e. who spent budget on the round), ``rejected`` (topic, reason, round,
+  accepted, i.e. who spent budget on the round; accuracy, loss: the new model on the
+  aggregator's own evaluation set, ``aggregator.evaluation``, null without one or when the
+  round failed), ``rejected`` (topic, reason, round,
   stage) and ``duplicate`` (topic, reason): refused inbound messages; at most
   ``log_per_key`` lines per device and reason class per ``log_interval_s``, then one
   ``suppressed`` line per key and interval with the count not written), ``declined``
@@ -64,6 +66,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from aggregator.evaluation import Evaluation, evaluate, load_evaluation
 from aggregator.guard import FloodLimits, LogLimiter, Suppressed
 from aggregator.rounds import (
     Declined,
@@ -126,6 +129,9 @@ class AggregatorConfig:
             the ``[limits]`` table's ``burst`` and ``rate``).
         log_interval_s, log_per_key: the rejection log's rate limit (``[limits]``
             ``log_interval_s``, ``log_per_key``).
+        evaluation: the aggregator's own evaluation set (``[evaluation] data``, a ``.npz``
+            in the owner-file format, ``aggregator.evaluation``; None: accuracy is not
+            measured).
     """
 
     fleet: str
@@ -152,6 +158,7 @@ class AggregatorConfig:
     flood_rate: float = 20.0
     log_interval_s: float = 10.0
     log_per_key: int = 5
+    evaluation: Path | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -200,6 +207,8 @@ class AggregatorConfig:
             rate = 20.0                  # ... and per second (beyond: quarantined)
             log_interval_s = 10.0        # rejection log: at most log_per_key lines per
             log_per_key = 5              # device and reason per interval
+            [evaluation]                 # optional: the aggregator's own labelled data
+            data = "eval.npz"            # (x, y as a device's owner files); accuracy per round
             [policy]                     # aggregator.rounds.RoundPolicy fields
             cohort_size = 10
             stage_timeout = 30.0
@@ -218,6 +227,7 @@ class AggregatorConfig:
         metrics = take(data.pop("metrics", {}), {"port", "host"}, f"{path} [metrics]")
         limits = take(data.pop("limits", {}), {"burst", "rate", "log_interval_s",
                                                "log_per_key"}, f"{path} [limits]")
+        evaluation = take(data.pop("evaluation", {}), {"data"}, f"{path} [evaluation]")
         top = take(data, {"fleet", "identity", "registry", "checkpoint", "model", "manifest",
                           "model_seed", "tick_s"}, str(path))
         values: dict[str, Any] = dict(top)
@@ -225,6 +235,7 @@ class AggregatorConfig:
             values[key] = path_in(base, top.get(key), key)
         values["ca_file"] = path_in(base, broker.get("ca_file"), "ca_file")
         values["password_file"] = path_in(base, broker.get("password_file"), "password_file")
+        values["evaluation"] = path_in(base, evaluation.get("data"), "[evaluation] data")
         values["zoo_dir"] = None if zoo_dir is None else Path(zoo_dir)
         if "host" in broker:
             values["broker_host"] = broker["host"]
@@ -289,6 +300,10 @@ class _Metrics:
                              registry=r)
         self.round_seconds = Gauge(p + "last_round_duration_seconds",
                                    "Wall time of the last round", registry=r)
+        self.accuracy = Gauge(p + "last_round_accuracy", "Accuracy of the last completed "
+                              "round's model on the aggregator's evaluation set (0..1; "
+                              "NaN: none configured or no round completed yet)", registry=r)
+        self.accuracy.set(math.nan)
         self.stage_seconds = Histogram(p + "stage_duration_seconds", "Time spent per stage",
                                        ["stage"], registry=r,
                                        buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300))
@@ -382,7 +397,7 @@ class AggregatorService:
                  random_bytes: Callable[[int], bytes] = os.urandom,
                  clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time) -> None:
-        from edge_sdk.engine import load_manifest
+        from edge_sdk.engine import OnnxEngine, load_manifest
         from edge_sdk.model import init_params
 
         self.config = config
@@ -394,8 +409,13 @@ class AggregatorService:
             raise ConfigError(f"{config.registry}: the aggregator key is not the one in "
                               f"{config.identity}")
         password = read_secret_file(config.password_file).decode().strip()
-        spec = load_manifest(resolve_manifest(config.model, config.manifest,
-                                              zoo_dir=config.zoo_dir)).spec
+        manifest = load_manifest(resolve_manifest(config.model, config.manifest,
+                                                  zoo_dir=config.zoo_dir))
+        spec = manifest.spec
+        # read before anything starts: a bad evaluation file stops the service here
+        self.evaluation = (None if config.evaluation is None
+                           else load_evaluation(config.evaluation, spec))
+        self._engine = None if self.evaluation is None else OnnxEngine(manifest)
         self.store = CheckpointStore(config.checkpoint)
         self.resumed = self.store.exists()
         if self.resumed:
@@ -435,7 +455,10 @@ class AggregatorService:
         self._gauges()
         self.status = StatusBoard(fleet=config.fleet, stage=self.machine.stage,
                                   round_id=self._open_round(),
-                                  model_version=self.machine.model_version)
+                                  model_version=self.machine.model_version,
+                                  evaluation=None if self.evaluation is None
+                                  else str(self.evaluation.path))
+        self._scores: dict[int, Evaluation] = {}  # this call's rounds, for the board
         try:
             if config.metrics_port is not None:
                 self.metrics_port = self.metrics.serve(config.metrics_host, config.metrics_port,
@@ -590,6 +613,9 @@ class AggregatorService:
         starts = any(isinstance(ev, RoundStarted) for ev in events)
         self.status.feed(events, at=self._wall(), bytes_in=self._bytes_in,
                          bytes_out=self._bytes_out - (sent if starts else 0))
+        for round_id, ev in self._scores.items():
+            self.status.evaluated(round_id, accuracy=ev.accuracy, loss=ev.loss)
+        self._scores.clear()
         self._gauges()
         return out
 
@@ -605,9 +631,24 @@ class AggregatorService:
         self.metrics.round_seconds.set(duration)
         if not o.completed:
             self.metrics.failed_uploads.inc(len(o.uploaded))
+        score = self._evaluate() if o.completed else None
+        if score is not None:
+            self._scores[o.round_id] = score
+            self.metrics.accuracy.set(score.accuracy)
         self.log({"event": "round_end", "round": o.round_id, "completed": o.completed,
                   "cohort": cohort, "survivors": survivors, "declined": declined,
                   "dropped": dropped, "survivor_ids": list(o.survivors),
                   "bytes_in": self._bytes_in - b_in, "bytes_out": self._bytes_out - b_out,
                   "duration_s": round(duration, 3), "model_version": o.model_version,
-                  "detail": o.detail, "uploaded": list(o.uploaded)})
+                  "detail": o.detail, "uploaded": list(o.uploaded),
+                  "accuracy": None if score is None else score.accuracy,
+                  "loss": None if score is None else score.loss})
+
+    def _evaluate(self) -> Evaluation | None:
+        """The global model now (a completed round's, when called from its ``RoundEnded``:
+        the machine's events are taken after the call that ended it) on the evaluation set;
+        None without one. Runs on the MQTT loop: a large set delays message handling."""
+        if self.evaluation is None or self._engine is None:
+            return None
+        return evaluate(self._engine, self.machine.params, self.evaluation.x,
+                        self.evaluation.y)

@@ -24,8 +24,11 @@ What the page shows and where each figure comes from:
   remaining epsilon it reported (``remaining()``). The aggregator cannot check them: they
   are the device's statements (its ledger, ``fedge ledger show``, is the record). A spend
   the device could not read is shown as not reported, never as zero;
-* accuracy per round: only when the aggregator has an evaluation set; it has none today
-  (``evaluation`` is None and the page says so; the simulators measure accuracy).
+* accuracy per round: only when the aggregator has an evaluation set of its own
+  (``[evaluation] data``, ``aggregator.evaluation``; never a device's data): each completed
+  round's new global model, its accuracy and mean cross-entropy (the service's
+  :meth:`StatusBoard.evaluated`). Without one ``evaluation`` is None and the page says that
+  accuracy is not measured here.
 
 Everything a device controls (names, status payloads) reaches the page as JSON and is put
 into the document with ``textContent`` only, never parsed as HTML; the page's Content
@@ -104,7 +107,10 @@ class DeviceView:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RoundView:
-    """One ended round (bytes: payload bytes during it; duration_s, ended_at: seconds)."""
+    """One ended round (bytes: payload bytes during it; duration_s, ended_at: seconds;
+    accuracy in [0, 1] and loss, mean cross-entropy in nats, of its new model on the
+    aggregator's evaluation set: None when there is none, the round failed or the loss is
+    not finite)."""
 
     round_id: int
     completed: bool
@@ -119,6 +125,8 @@ class RoundView:
     ended_at: float
     model_version: int
     detail: str
+    accuracy: float | None = None
+    loss: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,7 +144,7 @@ class Snapshot:
         devices: the ``DEVICES_SHOWN`` devices seen most recently, most recent first;
             devices_seen: how many devices the board holds; devices_forgotten: devices
             dropped from the board to bound its memory (least recently seen first).
-        evaluation: the evaluation set's name (None: the aggregator has none, so no
+        evaluation: the evaluation set's file (None: the aggregator has none, so no
             accuracy is measured).
     """
 
@@ -165,12 +173,12 @@ class StatusBoard:
         fleet: the fleet's name; stage, model_version: the machine's when the board starts
             (a resumed service starts mid-round).
         max_devices: devices kept (least recently seen forgotten first); max_rounds: ended
-            rounds kept.
+            rounds kept. evaluation: the aggregator's evaluation set (its file; None: none).
     """
 
     def __init__(self, *, fleet: str, stage: str = "idle", round_id: int | None = None,
                  model_version: int = 0, max_devices: int = 10_000,
-                 max_rounds: int = 50) -> None:
+                 max_rounds: int = 50, evaluation: str | None = None) -> None:
         if not (isinstance(max_devices, int) and max_devices >= 1):
             raise ValueError(f"max_devices must be an int >= 1, got {max_devices!r}")
         if not (isinstance(max_rounds, int) and max_rounds >= 1):
@@ -186,6 +194,7 @@ class StatusBoard:
         self._devices: OrderedDict[str, DeviceView] = OrderedDict()
         self._max_devices = max_devices
         self._forgotten = 0
+        self._evaluation = evaluation
 
     def feed(self, events: Iterable[Event], *, at: float, bytes_in: int,
              bytes_out: int) -> None:
@@ -238,6 +247,20 @@ class StatusBoard:
             for d in o.uploaded:
                 self._device(d, None, last_uploaded=o.round_id)
 
+    def evaluated(self, round_id: int, *, accuracy: float, loss: float | None) -> None:
+        """Round ``round_id``'s new model scored ``accuracy`` (in [0, 1]) and mean
+        cross-entropy ``loss`` (nats) on the evaluation set; a round no longer (or not yet)
+        on the board is ignored."""
+        if not (isinstance(accuracy, float) and 0.0 <= accuracy <= 1.0):
+            raise ValueError(f"accuracy must be a float in [0, 1], got {accuracy!r}")
+        if self._evaluation is None:
+            raise ValueError("this board has no evaluation set; nothing can be evaluated")
+        with self._lock:
+            for i, r in enumerate(self._rounds):
+                if r.round_id == round_id:
+                    self._rounds[i] = replace(r, accuracy=accuracy, loss=_finite(loss))
+                    return
+
     def _device(self, name: str, at: float | None, **changes: Any) -> None:
         """Update a device (``at``: it was seen then; None: news about it, not from it)."""
         old = self._devices.pop(name, None)
@@ -264,7 +287,7 @@ class StatusBoard:
                 model_version=self._version, bytes_in=bytes_in, bytes_out=bytes_out,
                 rounds=tuple(self._rounds), devices=tuple(devices),
                 devices_seen=len(self._devices), devices_forgotten=self._forgotten,
-                evaluation=None)
+                evaluation=self._evaluation)
 
 
 def _finite(x: float | None) -> float | None:
@@ -353,12 +376,15 @@ function render(s) {
       last.survivors + " of " + last.cohort + (last.completed ? "" : " (failed)");
   $("evaluation").textContent = s.evaluation === null ?
       "No evaluation set is configured on this aggregator: accuracy per round is not " +
-      "measured here." : "Evaluation set: " + s.evaluation;
+      "measured here." : "Accuracy: each completed round's new model on the aggregator's " +
+      "own evaluation set (not devices' data), " + s.evaluation;
   rows("rounds", s.rounds, (r) => [
     [r.round_id], [r.completed ? "completed" : "failed: " + r.detail,
                    r.completed ? "ok" : "bad"],
     [r.cohort], [r.survivors], [r.declined], [r.dropped], [bytes(r.bytes_in)],
-    [bytes(r.bytes_out)], [r.duration_s.toFixed(1) + " s"], [ago(r.ended_at, s.at)]]);
+    [bytes(r.bytes_out)], [r.duration_s.toFixed(1) + " s"], [ago(r.ended_at, s.at)],
+    [r.accuracy === null ? "-" : (100 * r.accuracy).toFixed(1) + "%", "acc"],
+    [r.loss === null ? "-" : r.loss.toFixed(3), "loss"]]);
   rows("devices", s.devices, (d) => [
     [d.device, "name"], [d.status === null ? "-" : d.status], [ago(d.status_at, s.at)],
     [ago(d.checkin_at, s.at)], [spend(d), "eps"],
@@ -433,7 +459,8 @@ def _page() -> tuple[bytes, str]:
 <p id="evaluation" class="note"></p>
 <table><thead><tr><th>round</th><th>result</th><th>cohort</th><th>survivors</th>
 <th>declined</th><th>dropped</th><th>bytes in</th><th>bytes out</th><th>duration</th>
-<th>ended</th></tr></thead><tbody id="rounds"></tbody></table>
+<th>ended</th><th>accuracy</th><th>loss (nats)</th></tr></thead><tbody id="rounds"></tbody>
+</table>
 <h2>Devices</h2>
 <p class="note">Privacy spend against budget: local &epsilon; (nats, zero-out adjacency) at
 the budget's &delta;, spent / budget, from the device's ledger <b>as reported by the

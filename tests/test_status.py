@@ -134,6 +134,50 @@ def test_large_fleets_are_listed_in_part_and_counted_in_full() -> None:
     assert s.devices[0].device == "d0999" and s.devices[-1].device == "d0500"
 
 
+def test_rounds_carry_the_accuracy_of_their_model_on_the_evaluation_set() -> None:
+    with pytest.raises(ValueError, match="no evaluation set"):
+        StatusBoard(fleet="lab").evaluated(1, accuracy=0.5, loss=1.0)
+    b = StatusBoard(fleet="lab", evaluation="/srv/eval.npz")
+    b.feed([RoundStarted(round_id=1, cohort=("a", "b"), model_version=0)], at=1.0,
+           bytes_in=0, bytes_out=0)
+    b.feed([_ended(1, ("a", "b"), ("a", "b"))], at=2.0, bytes_in=0, bytes_out=0)
+    b.evaluated(1, accuracy=0.625, loss=1.25)
+    b.evaluated(9, accuracy=0.5, loss=1.0)  # not on the board: ignored
+    b.feed([RoundStarted(round_id=2, cohort=("a", "b"), model_version=1),
+            _ended(2, ("a", "b"), (), completed=False)], at=3.0, bytes_in=0, bytes_out=0)
+    b.feed([RoundStarted(round_id=3, cohort=("a", "b"), model_version=1),
+            _ended(3, ("a", "b"), ("a", "b"))], at=4.0, bytes_in=0, bytes_out=0)
+    b.evaluated(3, accuracy=0.75, loss=float("inf"))  # not a figure: not reported
+    s = b.snapshot(at=5.0, bytes_in=0, bytes_out=0)
+    assert s.evaluation == "/srv/eval.npz"
+    assert [(r.round_id, r.accuracy, r.loss) for r in s.rounds] == [
+        (3, 0.75, None), (2, None, None), (1, 0.625, 1.25)]
+    d = json.loads(snapshot_json(s))
+    assert [(r["accuracy"], r["loss"]) for r in d["rounds"]] == [
+        (0.75, None), (None, None), (0.625, 1.25)]
+    for bad in (1.5, -0.1, float("nan"), 1):
+        with pytest.raises(ValueError, match="accuracy must be"):
+            b.evaluated(1, accuracy=bad, loss=1.0)
+
+
+def test_score_is_accuracy_and_mean_cross_entropy() -> None:
+    import numpy as np
+
+    from aggregator.evaluation import score
+
+    z = np.array([[2.0, 0.0, 0.0], [0.0, 1.0, 3.0], [1000.0, 0.0, 0.0]], dtype=np.float32)
+    y = np.array([0, 1, 0])
+    ev = score(z, y)
+    lse = np.log(np.exp(z[:2].astype(np.float64)).sum(axis=1))
+    expect = (lse[0] - 2.0 + lse[1] - 1.0 + 0.0) / 3  # the third: log(1 + 2 e^-1000) = 0
+    assert (ev.accuracy, ev.samples) == (2 / 3, 3)
+    assert ev.loss == pytest.approx(expect, rel=1e-12)
+    z[1, 2] = np.nan
+    assert score(z, y).loss is None
+    with pytest.raises(ValueError, match="expected logits"):
+        score(z[:0], y[:0])
+
+
 def test_json_is_strict_and_complete() -> None:
     b = StatusBoard(fleet="lab")
     b.feed([_checkin("a", remaining=float("inf"), spent=float("nan"),
