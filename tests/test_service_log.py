@@ -160,7 +160,9 @@ def test_round_and_stage_lines(lines: list[dict[str, Any]]) -> None:
     for e in ends:
         assert list(e) == ["ts", "event", "round", "completed", "cohort", "survivors",
                            "declined", "dropped", "survivor_ids", "bytes_in", "bytes_out",
-                           "duration_s", "model_version", "detail", "uploaded"]
+                           "duration_s", "model_version", "detail", "uploaded", "accuracy",
+                           "loss"]
+        assert (e["accuracy"], e["loss"]) == (None, None)  # no evaluation set configured
         assert e["cohort"] == 4 and e["bytes_in"] > 0 and e["bytes_out"] > 0
         assert e["survivors"] + e["declined"] + e["dropped"] == e["cohort"], e
     assert ends[1]["declined"] == 1 and ends[1]["survivors"] == 3

@@ -4,8 +4,10 @@ A real ``fedge aggregator`` over a real mosquitto with three devices (``test_ser
 fleet): the page is loaded once and read, from the rendered DOM, while rounds run: the
 round it shows advances without a reload, and each device's spent and budget epsilon on the
 page (reported by the device in its check-in) equal its ledger's ``spent()`` and budget,
-read from the ledger file, with a bar as wide as spent / budget. Then a device-controlled
-string is shown as text, never as markup.
+read from the ledger file, with a bar as wide as spent / budget; the aggregator has an
+evaluation set (``[evaluation] data``), and each round's accuracy cell is its ``round_end``
+line's accuracy. Then a device-controlled string is shown as text, never as markup, and a
+board without an evaluation set says that accuracy is not measured.
 
 Chromium is driven through chromedriver's WebDriver HTTP API (``webdriver_support``).
 ``FEDGE_STATUS_SCREENSHOT=<path>`` also saves the live page's screenshot there (how
@@ -20,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from test_services import FLEET, POLICY, ServiceFleet, engine, make_fleet, pump_until  # noqa: F401
 from webdriver_support import Browser
@@ -60,11 +63,15 @@ def _spend(browser: Browser, name: str) -> dict[str, str | None]:
 
 @pytest.mark.broker
 def test_live_page_follows_the_rounds_and_shows_each_devices_ledger_figure(
-        make_fleet: Callable[..., ServiceFleet], browser: Browser, tmp_path: Path) -> None:  # noqa: F811
+        make_fleet: Callable[..., ServiceFleet], browser: Browser, tmp_path: Path,  # noqa: F811
+        digits: Any) -> None:
     # rounds take a fraction of a second here: the last one leaves the devices idle (they
     # check in every second), which is when a device's report and its ledger can agree
     f = make_fleet(devices=3, in_process=3,
                    policy={**POLICY, "cohort_size": 3, "max_rounds": ROUNDS})
+    np.savez(Path(f.agg_config).parent / "eval.npz", x=digits.x_test, y=digits.y_test)
+    with open(f.agg_config, "a") as cfg:  # the aggregator's own labelled data
+        cfg.write('\n[evaluation]\ndata = "eval.npz"\n')
     agg = f.start_aggregator()
     start = f.wait_line(agg, lambda e: e["event"] == "start", 30, "the aggregator")
     browser.get(f"http://127.0.0.1:{start['metrics_port']}/status")  # loaded once
@@ -80,7 +87,8 @@ def test_live_page_follows_the_rounds_and_shows_each_devices_ledger_figure(
 
     pump_until(None, lambda: browser.text("//*[@id='fleet']") == FLEET, 60, f.procs,
                "the page's first poll")
-    assert "No evaluation set is configured" in (browser.text("//*[@id='evaluation']") or "")
+    evaluation = browser.text("//*[@id='evaluation']") or ""
+    assert "own evaluation set" in evaluation and evaluation.endswith("eval.npz"), evaluation
     first = f.wait_line(agg, lambda e: e["event"] == "round_end" and e["completed"], 180,
                         "a completed round")
     page_reaches(first["round"])
@@ -95,6 +103,10 @@ def test_live_page_follows_the_rounds_and_shows_each_devices_ledger_figure(
     row = browser.texts(f"//tbody[@id='rounds']/tr[td[1]='{first['round']}']/td")
     assert row[:4] == [str(first["round"]), "completed", str(first["cohort"]),
                        str(first["survivors"])], row
+    # the accuracy and loss cells: the round_end line's figures (the page's rounding)
+    assert 0.0 < first["accuracy"] <= 1.0 and first["loss"] > 0, first
+    assert row[10:12] == [f"{100 * first['accuracy']:.1f}%", f"{first['loss']:.3f}"], (
+        row, first)
     # each device's spent and budget epsilon as the page shows them (4 decimals) are its
     # ledger's spent() and budget, read from the ledger file, once it has spent and checked
     # in since (the in-process devices stand still while the condition is read: no spend
@@ -158,6 +170,8 @@ def test_device_controlled_text_is_never_markup(browser: Browser) -> None:
                    "the status as text")
         assert browser.count("//tbody[@id='devices']//img | //tbody[@id='devices']//b") == 0
         assert browser.script("return document.title") == "fedge aggregator status"
+        assert "No evaluation set is configured" in (
+            browser.text("//*[@id='evaluation']") or "")
         assert browser.text(_device_cell("d1", REMAINING)) == "2.5000"
         assert _spend(browser, "d1") == {"spent": "1.5000", "budget": "4.0000",
                                          "delta": "1.0e-5"}
