@@ -281,7 +281,7 @@ def _im2col(x: np.ndarray, k: int) -> np.ndarray:
 def _plain(layer: Any) -> bool:
     """A stride-1, unpadded, undilated Conv2d: the zoo's conv, with its own (older) code."""
     return (isinstance(layer, Conv2d) and layer.stride == 1 and layer.padding == 0
-            and layer.dilation == 1)
+            and layer.dilation == 1 and layer.groups == 1)
 
 
 def _conv_cols(x: np.ndarray, layer: Conv2d | Conv1d) -> np.ndarray:
@@ -295,6 +295,29 @@ def _conv_cols(x: np.ndarray, layer: Conv2d | Conv1d) -> np.ndarray:
     win = win[:, :, ::sh, ::sw, ::dh, ::dw]  # B, C, Ho, Wo, kh, kw
     ho, wo = win.shape[2], win.shape[3]
     return win.transpose(0, 1, 4, 5, 2, 3).reshape(b, c * kh * kw, ho * wo)
+
+
+def _grouped(a: np.ndarray, groups: int) -> np.ndarray:
+    """[B, R, N] -> [B, G, R/G, N]: rows split into the channel groups' blocks."""
+    return a.reshape(a.shape[0], groups, -1, a.shape[2])
+
+
+def _conv_apply(w: np.ndarray, cols: np.ndarray, groups: int) -> np.ndarray:
+    """Conv output [B, out, Ho*Wo] from columns [B, C*kh*kw, Ho*Wo], one MatMul per group."""
+    wg = w.reshape(groups, w.shape[0] // groups, -1)
+    return np.matmul(wg, _grouped(cols, groups)).reshape(cols.shape[0], w.shape[0], -1)
+
+
+def _conv_weight_grad(dflat: np.ndarray, cols: np.ndarray, groups: int) -> np.ndarray:
+    """Per-sample weight gradients [B, out, (C/G)*kh*kw]: a group sees only its channels."""
+    gw = np.matmul(_grouped(dflat, groups), _grouped(cols, groups).transpose(0, 1, 3, 2))
+    return gw.reshape(dflat.shape[0], dflat.shape[1], -1)
+
+
+def _conv_cols_grad(w: np.ndarray, dflat: np.ndarray, groups: int) -> np.ndarray:
+    """Gradient w.r.t. the columns [B, C*kh*kw, Ho*Wo] (then col2im gives the input's)."""
+    wg = w.reshape(groups, w.shape[0] // groups, -1).transpose(0, 2, 1)
+    return np.matmul(wg, _grouped(dflat, groups)).reshape(dflat.shape[0], -1, dflat.shape[2])
 
 
 def _conv_col2im(dcols: np.ndarray, in_shape: tuple[int, ...], layer: Conv2d | Conv1d,
@@ -419,7 +442,10 @@ class NumpyEngine:
                 h4 = h if isinstance(layer, Conv2d) else h[:, :, None, :]
                 cols = _conv_cols(h4, layer)
                 cache.append((cols, pi, h4.shape, layer))
-                out = np.matmul(params[pi].reshape(layer.out_channels, -1), cols)
+                if layer.groups == 1:
+                    out = np.matmul(params[pi].reshape(layer.out_channels, -1), cols)
+                else:
+                    out = _conv_apply(params[pi], cols, layer.groups)
                 out = out + params[pi + 1][:, None]
                 (kh, kw), (sh, sw), (ph, pw), (dh, dw) = conv_geometry(layer)
                 ho = (h4.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
@@ -481,7 +507,10 @@ class NumpyEngine:
             elif isinstance(layer, Conv2d | Conv1d):
                 cols, pi, in_shape = c[:3]
                 dflat = d.reshape(d.shape[0], d.shape[1], -1)
-                gw = np.matmul(dflat, cols.transpose(0, 2, 1))
+                if layer.groups == 1:
+                    gw = np.matmul(dflat, cols.transpose(0, 2, 1))
+                else:
+                    gw = _conv_weight_grad(dflat, cols, layer.groups)
                 gb = dflat.sum(axis=2)
                 if masks is not None:
                     gw = gw * masks[pi].reshape(1, gw.shape[1], -1)
@@ -490,8 +519,11 @@ class NumpyEngine:
                 pieces[pi] = ("conv", gw, gb)
                 if pi == 0:
                     break
-                w2 = params[pi].reshape(layer.out_channels, -1)
-                dcols = np.matmul(w2.T, dflat)  # B, C*k*k, Ho*Wo
+                if layer.groups == 1:
+                    w2 = params[pi].reshape(layer.out_channels, -1)
+                    dcols = np.matmul(w2.T, dflat)  # B, C*k*k, Ho*Wo
+                else:
+                    dcols = _conv_cols_grad(params[pi], dflat, layer.groups)
                 if len(c) == 4:
                     out_hw = d.shape[2:] if isinstance(layer, Conv2d) else (1, d.shape[2])
                     d = _conv_col2im(dcols, in_shape, layer, out_hw)

@@ -68,18 +68,24 @@ class Linear:
 
 def _check_conv(layer: Any) -> None:
     name = type(layer).__name__
-    for attr in ("in_channels", "out_channels", "kernel", "stride", "dilation"):
+    for attr in ("in_channels", "out_channels", "kernel", "stride", "dilation", "groups"):
         value = getattr(layer, attr)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} {attr} must be an int >= 1, got {value!r}")
     if not isinstance(layer.padding, int) or isinstance(layer.padding, bool) or layer.padding < 0:
         raise ValueError(f"{name} padding must be an int >= 0, got {layer.padding!r}")
+    if layer.in_channels % layer.groups or layer.out_channels % layer.groups:
+        raise ValueError(f"{name} groups must divide in_channels and out_channels, got "
+                         f"groups={layer.groups}, in_channels={layer.in_channels}, "
+                         f"out_channels={layer.out_channels}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Conv2d:
     """Square kernel; the same stride, zero padding and dilation along both axes
-    (torch's defaults: 1, 0, 1). No groups."""
+    (torch's defaults: 1, 0, 1). ``groups`` splits the channels into independent
+    convolutions (torch's ``groups``; groups = in_channels is a depthwise conv), so the
+    weight is [out_channels, in_channels // groups, kernel, kernel]."""
 
     in_channels: int
     out_channels: int
@@ -87,6 +93,7 @@ class Conv2d:
     stride: int = 1
     padding: int = 0
     dilation: int = 1
+    groups: int = 1
     kind: str = field(default="conv2d", init=False)
 
     def __post_init__(self) -> None:
@@ -95,8 +102,8 @@ class Conv2d:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Conv1d:
-    """1-D convolution over [C, L] inputs (time series): stride, zero padding, dilation.
-    Computed as a Conv2d of height 1."""
+    """1-D convolution over [C, L] inputs (time series): stride, zero padding, dilation,
+    groups (as Conv2d). Computed as a Conv2d of height 1."""
 
     in_channels: int
     out_channels: int
@@ -104,6 +111,7 @@ class Conv1d:
     stride: int = 1
     padding: int = 0
     dilation: int = 1
+    groups: int = 1
     kind: str = field(default="conv1d", init=False)
 
     def __post_init__(self) -> None:
@@ -366,12 +374,12 @@ class ModelSpec:
                 out.append((f"l{i}.weight", (layer.out_features, layer.in_features)))
                 out.append((f"l{i}.bias", (layer.out_features,)))
             elif isinstance(layer, Conv2d):
-                k = layer.kernel
-                out.append((f"l{i}.weight", (layer.out_channels, layer.in_channels, k, k)))
+                k, cin = layer.kernel, layer.in_channels // layer.groups
+                out.append((f"l{i}.weight", (layer.out_channels, cin, k, k)))
                 out.append((f"l{i}.bias", (layer.out_channels,)))
             elif isinstance(layer, Conv1d):
-                k = layer.kernel
-                out.append((f"l{i}.weight", (layer.out_channels, layer.in_channels, k)))
+                k, cin = layer.kernel, layer.in_channels // layer.groups
+                out.append((f"l{i}.weight", (layer.out_channels, cin, k)))
                 out.append((f"l{i}.bias", (layer.out_channels,)))
             elif isinstance(layer, LayerNorm):
                 out.append((f"l{i}.weight", layer.normalized_shape))
@@ -397,6 +405,8 @@ class ModelSpec:
         layers = []
         for layer in self.layers:
             d = {f: getattr(layer, f) for f in layer.__dataclass_fields__ if f != "kind"}
+            if d.get("groups") == 1 and isinstance(layer, Conv2d | Conv1d):
+                del d["groups"]  # ungrouped convs keep the manifest readers before groups knew
             layers.append({"kind": layer.kind, **d})
         return {
             "name": self.name,

@@ -13,6 +13,10 @@ out layer by layer for the supported set, with the weights as graph inputs:
   same im2col from strided slices of the zero-padded input; the input gradient is a
   transposed conv with those settings and the output padding that restores the input size.
   Stride-1 unpadded Conv2d keeps the code above, so the zoo's graphs do not change.
+* Grouped convs (groups G; depthwise when G = in_channels): the columns split into G blocks
+  of (C/G)*kh*kw rows, one batched MatMul per block pair gives the per-sample weight
+  gradient [B, out, (C/G)*kh*kw] (the weight's own layout); the input gradient is the
+  transposed conv with the same groups.
 * MaxPool2d 2x2: the four window elements by strided slices; the gradient goes to the
   first maximum in scan order, torch's tie rule.
 * AvgPool2d/AvgPool1d (no padding): the output gradient spread evenly over each window, a
@@ -83,7 +87,7 @@ def im2col(x: Tensor, k: int) -> Tensor:
 def _plain(layer: Any) -> bool:
     """A stride-1, unpadded, undilated Conv2d: the zoo's conv, with its own (older) code."""
     return (isinstance(layer, Conv2d) and layer.stride == 1 and layer.padding == 0
-            and layer.dilation == 1)
+            and layer.dilation == 1 and layer.groups == 1)
 
 
 def conv_cols(x: Tensor, layer: Conv2d | Conv1d) -> tuple[Tensor, int, int]:
@@ -108,12 +112,34 @@ def conv_input_grad(d: Tensor, w: Tensor, layer: Conv2d | Conv1d,
         length, lo = in_shape[1], d.shape[2]
         pad_out = length + 2 * pw - dw * (kw - 1) - 1 - (lo - 1) * sw
         return F.conv_transpose1d(d, w, stride=sw, padding=pw, output_padding=pad_out,
-                                  dilation=dw)
+                                  groups=layer.groups, dilation=dw)
     h, wd, ho, wo = in_shape[1], in_shape[2], d.shape[2], d.shape[3]
     pad_out = (h + 2 * ph - dh * (kh - 1) - 1 - (ho - 1) * sh,
                wd + 2 * pw - dw * (kw - 1) - 1 - (wo - 1) * sw)
     return F.conv_transpose2d(d, w, stride=(sh, sw), padding=(ph, pw), output_padding=pad_out,
-                              dilation=(dh, dw))
+                              groups=layer.groups, dilation=(dh, dw))
+
+
+def conv_apply(w: Tensor, cols: Tensor, groups: int) -> Tensor:
+    """Conv output [B, out, Ho*Wo] from im2col columns [B, C*kh*kw, Ho*Wo]: one MatMul, or
+    one per channel group (a batched MatMul over the groups)."""
+    out_channels = w.shape[0]
+    if groups == 1:
+        return torch.matmul(w.reshape(out_channels, -1), cols)
+    cg = cols.reshape(cols.shape[0], groups, -1, cols.shape[2])
+    wg = w.reshape(groups, out_channels // groups, -1)
+    return torch.matmul(wg, cg).reshape(cols.shape[0], out_channels, cols.shape[2])
+
+
+def conv_weight_grad(dflat: Tensor, cols: Tensor, groups: int) -> Tensor:
+    """Per-sample weight gradients [B, out, (C/G)*kh*kw] from the output gradient
+    [B, out, Ho*Wo] and the columns [B, C*kh*kw, Ho*Wo]; a group only sees its channels."""
+    if groups == 1:
+        return torch.matmul(dflat, cols.transpose(1, 2))
+    b, out_channels, n = dflat.shape
+    dg = dflat.reshape(b, groups, out_channels // groups, n)
+    cg = cols.reshape(b, groups, -1, n)
+    return torch.matmul(dg, cg.transpose(2, 3)).reshape(b, out_channels, -1)
 
 
 def avg_pool(h: Tensor, layer: AvgPool2d | AvgPool1d) -> Tensor:
@@ -258,7 +284,7 @@ class PerSampleGrad(nn.Module):
                 w, b = params[pi], params[pi + 1]
                 cols, ho, wo = conv_cols(h if isinstance(layer, Conv2d) else h.unsqueeze(2),
                                          layer)
-                out = torch.matmul(w.reshape(layer.out_channels, -1), cols) + b[:, None]
+                out = conv_apply(w, cols, layer.groups) + b[:, None]
                 cache.append({"cols": cols, "w": w, "pi": pi, "layer": layer,
                               "in_shape": tuple(h.shape[1:])})
                 shape = (ho, wo) if isinstance(layer, Conv2d) else (wo,)
@@ -309,7 +335,7 @@ class PerSampleGrad(nn.Module):
                 d = d @ c["w"]
             elif isinstance(layer, Conv2d | Conv1d):
                 dflat = d.reshape(d.shape[0], d.shape[1], -1)
-                gw = torch.matmul(dflat, c["cols"].transpose(1, 2))
+                gw = conv_weight_grad(dflat, c["cols"], c["layer"].groups if "layer" in c else 1)
                 gb = dflat.sum(dim=2)
                 if masks is not None:
                     gw = gw * masks[c["pi"]].reshape(1, gw.shape[1], -1)
@@ -387,11 +413,11 @@ class Logits(nn.Module):
                 pi += 2
             elif isinstance(layer, Conv2d):
                 h = F.conv2d(h, params[pi], params[pi + 1], stride=layer.stride,
-                             padding=layer.padding, dilation=layer.dilation)
+                             padding=layer.padding, dilation=layer.dilation, groups=layer.groups)
                 pi += 2
             elif isinstance(layer, Conv1d):
                 h = F.conv1d(h, params[pi], params[pi + 1], stride=layer.stride,
-                             padding=layer.padding, dilation=layer.dilation)
+                             padding=layer.padding, dilation=layer.dilation, groups=layer.groups)
                 pi += 2
             elif isinstance(layer, MaxPool2d):
                 h = F.max_pool2d(h, 2)

@@ -46,7 +46,7 @@ def build_module(spec: ModelSpec, params: Sequence[np.ndarray] | None = None) ->
             cls = nn.Conv2d if isinstance(layer, Conv2d) else nn.Conv1d
             mods.append(cls(layer.in_channels, layer.out_channels, layer.kernel,
                             stride=layer.stride, padding=layer.padding,
-                            dilation=layer.dilation))
+                            dilation=layer.dilation, groups=layer.groups))
         elif isinstance(layer, MaxPool2d):
             mods.append(nn.MaxPool2d(layer.kernel))
         elif isinstance(layer, Relu):
@@ -95,7 +95,7 @@ def load_params(module: nn.Module, params: Sequence[np.ndarray]) -> None:
 
 _SUPPORTED = (
     "Linear, Conv2d/Conv1d (with bias; square kernel, same stride, numeric zero padding and "
-    "dilation on both axes; no groups), MaxPool2d(2), AvgPool2d/AvgPool1d (square, no padding, "
+    "dilation on both axes; any groups), MaxPool2d(2), AvgPool2d/AvgPool1d (square, no padding, "
     "floor mode), AdaptiveAvgPool2d(1)/AdaptiveAvgPool1d(1), ReLU, Tanh, Sigmoid, GELU, LeakyReLU, "
     "Hardswish, LayerNorm/GroupNorm (affine, with bias), Flatten"
 )
@@ -129,12 +129,12 @@ def spec_from_module(
         elif (isinstance(mod, nn.Conv2d | nn.Conv1d) and mod.bias is not None
               and len(set(mod.kernel_size)) == 1 and len(set(mod.stride)) == 1
               and isinstance(mod.padding, tuple) and len(set(mod.padding)) == 1
-              and len(set(mod.dilation)) == 1 and mod.groups == 1
-              and mod.padding_mode == "zeros"):
+              and len(set(mod.dilation)) == 1 and mod.padding_mode == "zeros"):
             cls = Conv2d if isinstance(mod, nn.Conv2d) else Conv1d
             layers.append(cls(in_channels=mod.in_channels, out_channels=mod.out_channels,
                               kernel=mod.kernel_size[0], stride=mod.stride[0],
-                              padding=mod.padding[0], dilation=mod.dilation[0]))
+                              padding=mod.padding[0], dilation=mod.dilation[0],
+                              groups=mod.groups))
         elif (isinstance(mod, nn.MaxPool2d) and mod.kernel_size in (2, (2, 2))
               and mod.stride in (2, (2, 2)) and mod.padding in (0, (0, 0))):
             layers.append(MaxPool2d())

@@ -341,7 +341,7 @@ def test_conv_modules_export_and_the_rest_is_named() -> None:
                                              nn.Linear(2 * 13 * 13, 3)), (1, 28, 28), 3)
     assert strided.layers[0] == Conv2d(in_channels=1, out_channels=2, kernel=3, stride=2,
                                        padding=1, dilation=2)
-    for bad in (nn.Conv2d(4, 4, 3, groups=2), nn.Conv2d(1, 4, (3, 5)),
+    for bad in (nn.Conv2d(4, 4, 3, padding_mode="reflect"), nn.Conv2d(1, 4, (3, 5)),
                 nn.Conv2d(1, 4, 3, stride=(1, 2)), nn.Conv2d(1, 4, 3, padding="same"),
                 nn.Conv2d(1, 4, 3, bias=False)):
         with pytest.raises(UnsupportedLayer, match=r"layer 0 \(Conv2d"):
@@ -351,6 +351,109 @@ def test_conv_modules_export_and_the_rest_is_named() -> None:
     with pytest.raises(ValueError, match=r"kernel 5 \(dilation 2, padding 0\) larger"):
         ModelSpec(name="x", input_shape=(1, 8), num_classes=2, layers=(
             Conv1d(in_channels=1, out_channels=2, kernel=5, dilation=2),))
+
+
+# --- 2b. grouped and depthwise-separable convolutions -----------------------------------
+
+def _grouped_spec(cls, groups: int, per_in: int, mult: int, c2: int, spatial: tuple[int, ...],
+                  geom, groups2: int, act, classes: int) -> ModelSpec | None:
+    """grouped conv (groups x per_in -> groups x mult channels) -> act -> conv with groups2
+    (1x1 when groups2 = 1: depthwise-separable when per_in = 1) -> flatten -> linear."""
+    from edge_sdk.model import _out_shape
+
+    c0, c1 = groups * per_in, groups * mult
+    if c1 % groups2:
+        return None
+    first = cls(in_channels=c0, out_channels=c1, groups=groups, **geom)
+    second = cls(in_channels=c1, out_channels=c2 * groups2, kernel=1, groups=groups2)
+    try:
+        shape = _out_shape(second, _out_shape(first, (c0, *spatial), 0), 2)
+    except ValueError:
+        return None
+    n = int(np.prod(shape))
+    return ModelSpec(name="grouped", input_shape=(c0, *spatial), num_classes=classes, layers=(
+        first, act, second, Flatten(), Linear(in_features=n, out_features=classes)))
+
+
+@HYPO
+@given(dims=st.sampled_from([1, 2]), groups=st.integers(1, 4), per_in=st.integers(1, 2),
+       mult=st.integers(1, 3), c2=st.integers(1, 3), groups2=st.integers(1, 3),
+       spatial=st.tuples(st.integers(1, 9), st.integers(1, 9)), geom=GEOM, act=ACTS,
+       b=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_grouped_convs_match_torch_func(dims, groups, per_in, mult, c2, groups2, spatial, geom,
+                                        act, b, seed) -> None:
+    from hypothesis import assume
+
+    from edge_sdk.model import Conv1d, Conv2d
+
+    cls = Conv2d if dims == 2 else Conv1d
+    spec = _grouped_spec(cls, groups, per_in, mult, c2, spatial[:dims], geom, groups2, act, 3)
+    assume(spec is not None)
+    check_against_torch_func(spec, both(spec), b=b, seed=seed)
+
+
+def _ds_cnn(dims: int) -> ModelSpec:
+    """A DS-CNN in the style of "Hello Edge" (Zhang et al. 2017): a strided conv, then
+    depthwise (groups = channels) + pointwise (1x1) blocks, global average pooling."""
+    from edge_sdk.model import Conv1d, Conv2d, GlobalAvgPool, Relu
+
+    conv = Conv2d if dims == 2 else Conv1d
+    spatial = (10, 8) if dims == 2 else (24,)
+    return ModelSpec(name=f"dscnn{dims}d", input_shape=(1, *spatial), num_classes=4, layers=(
+        conv(in_channels=1, out_channels=6, kernel=3, stride=2, padding=1), Relu(),
+        conv(in_channels=6, out_channels=6, kernel=3, padding=1, groups=6), Relu(),
+        conv(in_channels=6, out_channels=8, kernel=1), Relu(),
+        conv(in_channels=8, out_channels=8, kernel=3, padding=2, dilation=2, groups=8),
+        Relu(), conv(in_channels=8, out_channels=8, kernel=1, groups=2), Relu(),
+        GlobalAvgPool(dims=dims), Flatten(), Linear(in_features=8, out_features=4)))
+
+
+DS_MODELS = {"dscnn2d": _ds_cnn(2), "dscnn1d": _ds_cnn(1)}
+
+
+@pytest.mark.parametrize("which", sorted(DS_MODELS))
+def test_ds_cnn_numpy_and_graph_match_torch_func(which: str) -> None:
+    spec = DS_MODELS[which]
+    for b in (1, 7):
+        check_against_torch_func(spec, both(spec), b=b, seed=b)
+
+
+def test_ds_cnn_onnx_graphs_match_torch_func_and_opacus(exported, monkeypatch) -> None:
+    spec = DS_MODELS["dscnn2d"]
+    engine = exported(spec)
+    for b in (1, 9):
+        check_against_torch_func(spec, (engine,), b=b, seed=b)
+    check_opacus_step(spec, engine, monkeypatch)
+
+
+@pytest.mark.slow  # the 2-D DS-CNN runs by default
+def test_ds_cnn_1d_onnx_graphs_match_torch_func_and_opacus(exported, monkeypatch) -> None:
+    spec = DS_MODELS["dscnn1d"]
+    engine = exported(spec)
+    for b in (1, 9):
+        check_against_torch_func(spec, (engine,), b=b, seed=b)
+    check_opacus_step(spec, engine, monkeypatch)
+
+
+def test_grouped_conv_modules_export_and_bad_groups_are_named() -> None:
+    from torch import nn
+
+    from edge_sdk.model import Conv1d, Conv2d
+
+    module = nn.Sequential(nn.Conv1d(4, 8, 3, groups=4), nn.ReLU(), nn.Conv1d(8, 6, 1),
+                           nn.Flatten(), nn.Linear(6 * 8, 2))
+    spec = spec_from_module(module, (4, 10), 2)
+    assert spec.layers[0] == Conv1d(in_channels=4, out_channels=8, kernel=3, groups=4)
+    assert spec.param_shapes()[0] == ("l0.weight", (8, 1, 3))
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+    image = spec_from_module(nn.Sequential(nn.Conv2d(6, 6, 3, groups=3), nn.Flatten(),
+                                           nn.Linear(6 * 4 * 4, 3)), (6, 6, 6), 3)
+    assert image.layers[0] == Conv2d(in_channels=6, out_channels=6, kernel=3, groups=3)
+    assert image.param_shapes()[0] == ("l0.weight", (6, 2, 3, 3))
+    with pytest.raises(ValueError, match="groups must divide in_channels and out_channels"):
+        Conv2d(in_channels=4, out_channels=6, kernel=3, groups=4)
+    with pytest.raises(ValueError, match="groups must be an int >= 1"):
+        Conv1d(in_channels=4, out_channels=4, kernel=3, groups=0)
 
 
 # --- 3. average pooling and global average pooling ------------------------------------------
