@@ -40,6 +40,7 @@ from edge_sdk.model import (
     LayerNorm,
     LeakyRelu,
     Linear,
+    MaxPool1d,
     MaxPool2d,
     ModelSpec,
     Relu,
@@ -416,6 +417,44 @@ def _unpool(g: np.ndarray, masks: list[np.ndarray]) -> np.ndarray:
     return out
 
 
+def _pair_pool(layer: Any, h: np.ndarray) -> bool:
+    """The zoo's 2x2 stride-2 max pool on even sizes, with its own (older) code."""
+    return (isinstance(layer, MaxPool2d) and layer.kernel == 2 and layer.stride == 2
+            and h.shape[2] % 2 == 0 and h.shape[3] % 2 == 0)
+
+
+def _max_pool(h: np.ndarray, layer: MaxPool2d | MaxPool1d) -> tuple[np.ndarray, tuple]:
+    """Max pool of any kernel and stride (no padding, floor mode) and its backward cache:
+    one winner mask per window element, the first maximum in scan order (torch's ties)."""
+    (kh, kw), (sh, sw) = pool_geometry(layer)
+    h4 = h[:, :, None, :] if isinstance(layer, MaxPool1d) else h
+    hi, wi = h4.shape[2], h4.shape[3]
+    ho, wo = (hi - kh) // sh + 1, (wi - kw) // sw + 1
+    parts = [h4[:, :, i : i + (ho - 1) * sh + 1 : sh, j : j + (wo - 1) * sw + 1 : sw]
+             for i in range(kh) for j in range(kw)]
+    m = np.maximum.reduce(parts)
+    masks, taken = [], np.zeros(m.shape, dtype=bool)
+    for part in parts:
+        hit = (part == m) & ~taken
+        masks.append(hit)
+        taken |= hit
+    out = m[:, :, 0, :] if isinstance(layer, MaxPool1d) else m
+    return out, (masks, h.shape)
+
+
+def _max_unpool(d: np.ndarray, cache: tuple, layer: MaxPool2d | MaxPool1d) -> np.ndarray:
+    """Input gradient of :func:`_max_pool`: overlapping windows add at shared inputs."""
+    masks, in_shape = cache
+    (kh, kw), (sh, sw) = pool_geometry(layer)
+    d4 = d[:, :, None, :] if isinstance(layer, MaxPool1d) else d
+    b, c, ho, wo = d4.shape
+    hi, wi = (1, in_shape[2]) if isinstance(layer, MaxPool1d) else in_shape[2:]
+    out = np.zeros((b, c, hi, wi), dtype=d.dtype)
+    for mask, (i, j) in zip(masks, [(i, j) for i in range(kh) for j in range(kw)], strict=True):
+        out[:, :, i : i + (ho - 1) * sh + 1 : sh, j : j + (wo - 1) * sw + 1 : sw] += d4 * mask
+    return out.reshape(in_shape)
+
+
 class NumpyEngine:
     """The same per-sample formulas in numpy: torch-free reference and fallback."""
 
@@ -453,9 +492,12 @@ class NumpyEngine:
                 shape = (ho, wo) if isinstance(layer, Conv2d) else (wo,)
                 h = out.reshape(h.shape[0], layer.out_channels, *shape)
                 pi += 2
-            elif isinstance(layer, MaxPool2d):
+            elif _pair_pool(layer, h):
                 h, masks = _pool(h)
                 cache.append(masks)
+            elif isinstance(layer, MaxPool2d | MaxPool1d):
+                h, saved_pool = _max_pool(h, layer)
+                cache.append(saved_pool)
             elif isinstance(layer, LayerNorm | GroupNorm):
                 h, saved = _norm_forward(h, params[pi], params[pi + 1], layer)
                 cache.append((saved, pi))
@@ -531,8 +573,8 @@ class NumpyEngine:
                         d = d[:, :, 0, :]
                 else:
                     d = self._col2im(dcols, in_shape, layer.kernel)
-            elif isinstance(layer, MaxPool2d):
-                d = _unpool(d, c)
+            elif isinstance(layer, MaxPool2d | MaxPool1d):
+                d = _unpool(d, c) if isinstance(c, list) else _max_unpool(d, c, layer)
             elif isinstance(layer, LayerNorm | GroupNorm):
                 saved, pi = c
                 gw, gb = _norm_backward(d, saved)

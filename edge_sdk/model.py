@@ -35,6 +35,7 @@ __all__ = [
     "LayerNorm",
     "LeakyRelu",
     "Linear",
+    "MaxPool1d",
     "MaxPool2d",
     "ModelSpec",
     "Relu",
@@ -131,18 +132,6 @@ def conv_out_size(size: int, kernel: int, stride: int, padding: int, dilation: i
     return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MaxPool2d:
-    """Non-overlapping 2x2 max pooling; ties go to the first maximum in scan order (torch)."""
-
-    kernel: int = 2
-    kind: str = field(default="maxpool2d", init=False)
-
-    def __post_init__(self) -> None:
-        if self.kernel != 2:
-            raise UnsupportedLayer(f"MaxPool2d kernel must be 2, got {self.kernel!r}")
-
-
 def _check_pool(layer: Any) -> None:
     if layer.stride is None:
         object.__setattr__(layer, "stride", layer.kernel)  # torch's default: stride = kernel
@@ -150,6 +139,34 @@ def _check_pool(layer: Any) -> None:
         value = getattr(layer, attr)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{type(layer).__name__} {attr} must be an int >= 1, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MaxPool2d:
+    """Square max pooling, no padding, floor mode (torch's defaults); stride defaults to the
+    kernel (the zoo's 2x2). Each window's gradient goes to its maximum; ties go to the first
+    maximum in the window's scan order (row by row), as torch's CPU kernel breaks them.
+    Overlapping windows (stride < kernel) add their gradients where they share an input."""
+
+    kernel: int = 2
+    stride: int | None = None
+    kind: str = field(default="maxpool2d", init=False)
+
+    def __post_init__(self) -> None:
+        _check_pool(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MaxPool1d:
+    """Max pooling over [C, L], no padding, floor mode; stride defaults to the kernel.
+    Ties go to the first maximum in the window (torch)."""
+
+    kernel: int
+    stride: int | None = None
+    kind: str = field(default="maxpool1d", init=False)
+
+    def __post_init__(self) -> None:
+        _check_pool(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -254,10 +271,12 @@ class GroupNorm:
 NORMS = (LayerNorm, GroupNorm)
 
 
-def pool_geometry(layer: AvgPool2d | AvgPool1d) -> tuple[tuple[int, int], tuple[int, int]]:
-    """((kh, kw), (sh, sw)) of an average pool seen as 2-D (AvgPool1d: height 1)."""
+def pool_geometry(
+    layer: AvgPool2d | AvgPool1d | MaxPool2d | MaxPool1d,
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((kh, kw), (sh, sw)) of a pool seen as 2-D (AvgPool1d, MaxPool1d: height 1)."""
     k, st = layer.kernel, int(layer.stride or layer.kernel)
-    return ((1, k), (1, st)) if isinstance(layer, AvgPool1d) else ((k, k), (st, st))
+    return ((1, k), (1, st)) if isinstance(layer, AvgPool1d | MaxPool1d) else ((k, k), (st, st))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -321,8 +340,8 @@ class Hardswish:
     kind: str = field(default="hardswish", init=False)
 
 
-Layer = (Linear | Conv2d | Conv1d | MaxPool2d | AvgPool2d | AvgPool1d | GlobalAvgPool | Relu
-         | Flatten | Tanh | Sigmoid | Gelu | LeakyRelu | Hardswish | LayerNorm | GroupNorm)
+Layer = (Linear | Conv2d | Conv1d | MaxPool2d | MaxPool1d | AvgPool2d | AvgPool1d | GlobalAvgPool
+         | Relu | Flatten | Tanh | Sigmoid | Gelu | LeakyRelu | Hardswish | LayerNorm | GroupNorm)
 # Element-wise activations: no parameters, shape kept, gradient = upstream * f'(pre-activation).
 ACTIVATIONS = (Relu, Tanh, Sigmoid, Gelu, LeakyRelu, Hardswish)
 _LAYER_TYPES: dict[str, type] = {
@@ -330,6 +349,7 @@ _LAYER_TYPES: dict[str, type] = {
     "conv2d": Conv2d,
     "conv1d": Conv1d,
     "maxpool2d": MaxPool2d,
+    "maxpool1d": MaxPool1d,
     "avgpool2d": AvgPool2d,
     "avgpool1d": AvgPool1d,
     "globalavgpool": GlobalAvgPool,
@@ -405,8 +425,12 @@ class ModelSpec:
         layers = []
         for layer in self.layers:
             d = {f: getattr(layer, f) for f in layer.__dataclass_fields__ if f != "kind"}
+            # defaults added after the first release are left out, so the zoo's manifests
+            # stay readable by devices that predate them
             if d.get("groups") == 1 and isinstance(layer, Conv2d | Conv1d):
-                del d["groups"]  # ungrouped convs keep the manifest readers before groups knew
+                del d["groups"]
+            if isinstance(layer, MaxPool2d) and d["stride"] == d["kernel"]:
+                del d["stride"]
             layers.append({"kind": layer.kind, **d})
         return {
             "name": self.name,
@@ -458,12 +482,8 @@ def _out_shape(layer: Layer, shape: tuple[int, ...], index: int) -> tuple[int, .
                 f"{layer.padding}) larger than input {shape}"
             )
         return (layer.out_channels, h, w) if rank == 3 else (layer.out_channels, w)
-    if isinstance(layer, MaxPool2d):
-        if len(shape) != 3 or shape[1] % 2 or shape[2] % 2:
-            raise ValueError(f"{where} expects (C, H, W) with even H, W, got {shape}")
-        return (shape[0], shape[1] // 2, shape[2] // 2)
-    if isinstance(layer, AvgPool2d | AvgPool1d):
-        rank, dims = (3, "C, H, W") if isinstance(layer, AvgPool2d) else (2, "C, L")
+    if isinstance(layer, AvgPool2d | AvgPool1d | MaxPool2d | MaxPool1d):
+        rank, dims = (3, "C, H, W") if isinstance(layer, AvgPool2d | MaxPool2d) else (2, "C, L")
         if len(shape) != rank:
             raise ValueError(f"{where} expects input ({dims}), got {shape}")
         (kh, kw), (sh, sw) = pool_geometry(layer)

@@ -19,6 +19,11 @@ out layer by layer for the supported set, with the weights as graph inputs:
   transposed conv with the same groups.
 * MaxPool2d 2x2: the four window elements by strided slices; the gradient goes to the
   first maximum in scan order, torch's tie rule.
+* MaxPool2d/MaxPool1d of any kernel and stride (no padding, floor mode): the kh*kw window
+  elements by strided slices, a one-hot "winner" mask per element (first maximum in scan
+  order); the input gradient is one transposed conv of the kh*kw masked output gradients
+  with one-hot kernels, which adds overlapping windows' shares. The 2x2 stride-2 pool on even
+  sizes keeps the code above, so the zoo's graphs do not change.
 * AvgPool2d/AvgPool1d (no padding): the output gradient spread evenly over each window, a
   transposed conv of the per-channel map with a constant 1/(kh*kw) kernel; GlobalAvgPool:
   the output gradient / (number of positions), broadcast.
@@ -64,6 +69,7 @@ from edge_sdk.model import (
     LayerNorm,
     LeakyRelu,
     Linear,
+    MaxPool1d,
     MaxPool2d,
     ModelSpec,
     Relu,
@@ -250,6 +256,45 @@ def _unpool(g: Tensor, masks: list[Tensor]) -> Tensor:
     return torch.stack([top, bot], dim=3).reshape(-1, c, 2 * ho, 2 * wo)
 
 
+def _pair_pool(layer: Any, h: Tensor) -> bool:
+    """The zoo's 2x2 stride-2 max pool on even sizes, with its own (older) code."""
+    return (isinstance(layer, MaxPool2d) and layer.kernel == 2 and layer.stride == 2
+            and h.shape[2] % 2 == 0 and h.shape[3] % 2 == 0)
+
+
+def max_pool_forward(h: Tensor, layer: MaxPool2d | MaxPool1d) -> tuple[Tensor, dict[str, Any]]:
+    """Max pool output and its backward cache: one winner mask per window element."""
+    (kh, kw), (sh, sw) = pool_geometry(layer)
+    h4 = h.unsqueeze(2) if isinstance(layer, MaxPool1d) else h
+    hi, wi = h4.shape[2], h4.shape[3]
+    ho, wo = (hi - kh) // sh + 1, (wi - kw) // sw + 1
+    parts = [h4[:, :, i : i + (ho - 1) * sh + 1 : sh, j : j + (wo - 1) * sw + 1 : sw]
+             for i in range(kh) for j in range(kw)]
+    m = parts[0]
+    for part in parts[1:]:
+        m = torch.maximum(m, part)
+    masks, taken = [], torch.zeros_like(m, dtype=torch.bool)
+    for part in parts:  # first maximum in scan order wins, as in torch
+        hit = (part == m) & ~taken
+        masks.append(hit.to(h.dtype))
+        taken = taken | hit
+    out = m.squeeze(2) if isinstance(layer, MaxPool1d) else m
+    return out, {"masks": masks, "hw": (hi, wi), "in_shape": tuple(h.shape[1:])}
+
+
+def max_pool_input_grad(d: Tensor, c: dict[str, Any], layer: MaxPool2d | MaxPool1d) -> Tensor:
+    """Input gradient: each window's gradient to its winner, overlapping windows added."""
+    (kh, kw), (sh, sw) = pool_geometry(layer)
+    d4 = d.unsqueeze(2) if isinstance(layer, MaxPool1d) else d
+    ch, ho, wo = d4.shape[1], d4.shape[2], d4.shape[3]
+    hi, wi = c["hw"]
+    shares = torch.stack([d4 * mk for mk in c["masks"]], dim=2).reshape(-1, kh * kw, ho, wo)
+    onehot = torch.eye(kh * kw, dtype=d.dtype).reshape(kh * kw, 1, kh, kw)
+    g = F.conv_transpose2d(shares, onehot, stride=(sh, sw),
+                           output_padding=(hi - kh - (ho - 1) * sh, wi - kw - (wo - 1) * sw))
+    return g.reshape(-1, ch, hi, wi).reshape(-1, *c["in_shape"])
+
+
 class PerSampleGrad(nn.Module):
     """forward(*params, [*masks,] x, y, clip) -> (norms, losses, *clipped_grad_sums)."""
 
@@ -290,9 +335,12 @@ class PerSampleGrad(nn.Module):
                 shape = (ho, wo) if isinstance(layer, Conv2d) else (wo,)
                 h = out.reshape(-1, layer.out_channels, *shape)
                 pi += 2
-            elif isinstance(layer, MaxPool2d):
+            elif _pair_pool(layer, h):
                 h, winners = _pool_masks(h)
                 cache.append({"winners": winners})
+            elif isinstance(layer, MaxPool2d | MaxPool1d):
+                h, saved_pool = max_pool_forward(h, layer)
+                cache.append(saved_pool)
             elif isinstance(layer, LayerNorm | GroupNorm):
                 h, saved_norm = norm_forward(h, params[pi], params[pi + 1], layer)
                 cache.append({**saved_norm, "pi": pi})
@@ -348,8 +396,9 @@ class PerSampleGrad(nn.Module):
                     d = conv_input_grad(d, c["w"], c["layer"], c["in_shape"])
                 else:
                     d = F.conv_transpose2d(d, c["w"])
-            elif isinstance(layer, MaxPool2d):
-                d = _unpool(d, c["winners"])
+            elif isinstance(layer, MaxPool2d | MaxPool1d):
+                d = (_unpool(d, c["winners"]) if "winners" in c
+                     else max_pool_input_grad(d, c, layer))
             elif isinstance(layer, LayerNorm | GroupNorm):
                 gw, gb = norm_backward(d, c, layer)
                 if masks is not None:
@@ -419,8 +468,12 @@ class Logits(nn.Module):
                 h = F.conv1d(h, params[pi], params[pi + 1], stride=layer.stride,
                              padding=layer.padding, dilation=layer.dilation, groups=layer.groups)
                 pi += 2
-            elif isinstance(layer, MaxPool2d):
+            elif _pair_pool(layer, h):
                 h = F.max_pool2d(h, 2)
+            elif isinstance(layer, MaxPool2d):
+                h = F.max_pool2d(h, layer.kernel, layer.stride)
+            elif isinstance(layer, MaxPool1d):
+                h = F.max_pool1d(h, layer.kernel, layer.stride)
             elif isinstance(layer, Relu):
                 h = torch.relu(h)
             elif isinstance(layer, LayerNorm | GroupNorm):

@@ -27,6 +27,7 @@ from edge_sdk.model import (
     LayerNorm,
     LeakyRelu,
     Linear,
+    MaxPool1d,
     MaxPool2d,
     ModelSpec,
     Relu,
@@ -48,7 +49,9 @@ def build_module(spec: ModelSpec, params: Sequence[np.ndarray] | None = None) ->
                             stride=layer.stride, padding=layer.padding,
                             dilation=layer.dilation, groups=layer.groups))
         elif isinstance(layer, MaxPool2d):
-            mods.append(nn.MaxPool2d(layer.kernel))
+            mods.append(nn.MaxPool2d(layer.kernel, layer.stride))
+        elif isinstance(layer, MaxPool1d):
+            mods.append(nn.MaxPool1d(layer.kernel, layer.stride))
         elif isinstance(layer, Relu):
             mods.append(nn.ReLU())
         elif isinstance(layer, Flatten):
@@ -95,9 +98,10 @@ def load_params(module: nn.Module, params: Sequence[np.ndarray]) -> None:
 
 _SUPPORTED = (
     "Linear, Conv2d/Conv1d (with bias; square kernel, same stride, numeric zero padding and "
-    "dilation on both axes; any groups), MaxPool2d(2), AvgPool2d/AvgPool1d (square, no padding, "
-    "floor mode), AdaptiveAvgPool2d(1)/AdaptiveAvgPool1d(1), ReLU, Tanh, Sigmoid, GELU, LeakyReLU, "
-    "Hardswish, LayerNorm/GroupNorm (affine, with bias), Flatten"
+    "dilation on both axes; any groups), MaxPool2d/MaxPool1d and AvgPool2d/AvgPool1d (square, "
+    "no padding, floor mode; max pools undilated), AdaptiveAvgPool2d(1)/AdaptiveAvgPool1d(1), "
+    "ReLU, Tanh, Sigmoid, GELU, LeakyReLU, Hardswish, LayerNorm/GroupNorm (affine, with bias), "
+    "Flatten"
 )
 
 
@@ -107,7 +111,7 @@ def _one(value: int | tuple[int, ...]) -> int:
 
 
 def _pool_plain(mod: nn.Module) -> bool:
-    """An average pool the spec can say: square, no padding, floor mode, no divisor."""
+    """A pool the spec can say: square, no padding, floor mode, no divisor (average)."""
     same = all(isinstance(v, int) or len(set(v)) == 1 for v in (mod.kernel_size, mod.stride))
     return (same and _one(mod.padding) == 0 and len(set(np.atleast_1d(mod.padding).tolist())) == 1
             and not mod.ceil_mode and getattr(mod, "divisor_override", None) is None)
@@ -135,9 +139,11 @@ def spec_from_module(
                               kernel=mod.kernel_size[0], stride=mod.stride[0],
                               padding=mod.padding[0], dilation=mod.dilation[0],
                               groups=mod.groups))
-        elif (isinstance(mod, nn.MaxPool2d) and mod.kernel_size in (2, (2, 2))
-              and mod.stride in (2, (2, 2)) and mod.padding in (0, (0, 0))):
-            layers.append(MaxPool2d())
+        elif (isinstance(mod, nn.MaxPool2d | nn.MaxPool1d) and _pool_plain(mod)
+              and _one(mod.dilation) == 1 and len(set(np.atleast_1d(mod.dilation))) == 1
+              and not mod.return_indices):
+            cls = MaxPool2d if isinstance(mod, nn.MaxPool2d) else MaxPool1d
+            layers.append(cls(kernel=_one(mod.kernel_size), stride=_one(mod.stride)))
         elif isinstance(mod, nn.ReLU):
             layers.append(Relu())
         elif isinstance(mod, nn.Flatten):

@@ -547,6 +547,113 @@ def test_pool_modules_export_and_the_rest_is_named() -> None:
         ModelSpec(name="x", input_shape=(2, 8), num_classes=2, layers=(GlobalAvgPool(),))
 
 
+# --- 3b. max pooling of any kernel and stride ------------------------------------------
+
+def _max_spec(dims: int, c: tuple[int, int], spatial: tuple[int, ...], k: int, s: int,
+              act, classes: int) -> ModelSpec | None:
+    """conv -> act -> maxpool(k, s) -> flatten -> linear, or None if the shapes do not fit."""
+    from edge_sdk.model import Conv1d, Conv2d, MaxPool1d, MaxPool2d, _out_shape
+
+    conv, pool = (Conv2d, MaxPool2d) if dims == 2 else (Conv1d, MaxPool1d)
+    layers = [conv(in_channels=c[0], out_channels=c[1], kernel=2, padding=1), act,
+              pool(kernel=k, stride=s)]
+    shape = (c[0], *spatial)
+    try:
+        for i, layer in enumerate(layers):
+            shape = _out_shape(layer, shape, i)
+    except ValueError:
+        return None
+    layers += [Flatten(), Linear(in_features=int(np.prod(shape)), out_features=classes)]
+    return ModelSpec(name="maxpool", input_shape=(c[0], *spatial), num_classes=classes,
+                     layers=tuple(layers))
+
+
+@HYPO
+@given(dims=st.sampled_from([1, 2]), c=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+       spatial=st.tuples(st.integers(1, 10), st.integers(1, 10)), k=st.integers(1, 4),
+       s=st.integers(1, 4), act=ACTS, b=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_max_pooling_matches_torch_func(dims, c, spatial, k, s, act, b, seed) -> None:
+    from hypothesis import assume
+
+    spec = _max_spec(dims, c, spatial[:dims], k, s, act, 3)
+    assume(spec is not None)
+    check_against_torch_func(spec, both(spec), b=b, seed=seed)
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+@pytest.mark.parametrize("k,s", [(2, 2), (3, 1), (3, 2), (2, 3)])
+def test_max_pool_ties_follow_torch(dims: int, k: int, s: int) -> None:
+    """A 1x1 conv with integer weights over integer inputs gives exact integer outputs, so most
+    windows hold tied maxima (overlapping windows too): the conv's per-sample gradients show
+    that each window's gradient goes to the input torch sends it to."""
+    from edge_sdk.model import Conv1d, Conv2d, MaxPool1d, MaxPool2d, _out_shape
+
+    conv = Conv2d if dims == 2 else Conv1d
+    pool = MaxPool2d(kernel=k, stride=s) if dims == 2 else MaxPool1d(kernel=k, stride=s)
+    spatial = (7, 6) if dims == 2 else (11,)
+    out = _out_shape(pool, (3, *spatial), 1)
+    spec = ModelSpec(name="ties", input_shape=(2, *spatial), num_classes=3, layers=(
+        conv(in_channels=2, out_channels=3, kernel=1), pool, Flatten(),
+        Linear(in_features=int(np.prod(out)), out_features=3)))
+    rng = np.random.default_rng(k * 10 + s)
+    x = rng.integers(-1, 2, size=(6, 2, *spatial)).astype(np.float32)
+    y = rng.integers(0, 3, 6)
+    params = init_params(spec, rng)
+    params[0] = rng.integers(-1, 2, size=params[0].shape).astype(np.float32)
+    check_against_torch_func(spec, both(spec), b=6, seed=0, params=params, x=x, y=y)
+
+
+MAX_MODELS = {
+    "maxpool2d": _max_spec(2, (2, 3), (9, 8), 3, 2, Tanh(), 4),
+    "maxpool1d": _max_spec(1, (3, 4), (17,), 4, 3, Gelu(), 3),
+}
+
+
+def test_max_pool_onnx_graphs_match_torch_func_and_opacus(exported, monkeypatch) -> None:
+    spec = MAX_MODELS["maxpool2d"]
+    engine = exported(spec)
+    for b in (1, 9):
+        check_against_torch_func(spec, (engine,), b=b, seed=b)
+    check_opacus_step(spec, engine, monkeypatch)
+
+
+@pytest.mark.slow  # the 2-D max pool model runs by default
+def test_max_pool_1d_onnx_graphs_match_torch_func_and_opacus(exported, monkeypatch) -> None:
+    spec = MAX_MODELS["maxpool1d"]
+    engine = exported(spec)
+    for b in (1, 9):
+        check_against_torch_func(spec, (engine,), b=b, seed=b)
+    check_opacus_step(spec, engine, monkeypatch)
+
+
+def test_max_pool_modules_export_and_the_rest_is_named() -> None:
+    from torch import nn
+
+    from edge_sdk.model import MaxPool1d, MaxPool2d
+
+    module = nn.Sequential(nn.Conv1d(3, 4, 3), nn.ReLU(), nn.MaxPool1d(3, stride=2),
+                           nn.Flatten(), nn.Linear(4 * 8, 2))
+    spec = spec_from_module(module, (3, 20), 2)
+    assert spec.layers[2] == MaxPool1d(kernel=3, stride=2)
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+    image = spec_from_module(nn.Sequential(nn.MaxPool2d(3), nn.Flatten(), nn.Linear(8, 3)),
+                             (2, 7, 6), 3)
+    assert image.layers[0] == MaxPool2d(kernel=3, stride=3)
+    # the zoo's manifests keep their form: a 2x2 pool is written without a stride
+    assert {"kind": "maxpool2d", "kernel": 2} in ModelSpec(
+        name="z", input_shape=(1, 4, 4), num_classes=4,
+        layers=(MaxPool2d(), Flatten())).to_dict()["layers"]
+    for bad in (nn.MaxPool2d(2, padding=1), nn.MaxPool2d(2, ceil_mode=True),
+                nn.MaxPool2d((2, 3)), nn.MaxPool2d(2, dilation=2),
+                nn.MaxPool2d(2, return_indices=True)):
+        with pytest.raises(UnsupportedLayer, match=r"layer 0 \(MaxPool2d"):
+            spec_from_module(nn.Sequential(bad), (1, 8, 8), 3)
+    with pytest.raises(ValueError, match="MaxPool1d stride must be an int >= 1"):
+        MaxPool1d(kernel=2, stride=0)
+    with pytest.raises(ValueError, match=r"kernel 5 larger than input"):
+        ModelSpec(name="x", input_shape=(1, 4), num_classes=2, layers=(MaxPool1d(kernel=5),))
+
+
 # --- 4. LayerNorm / GroupNorm; BatchNorm refused --------------------------------------------
 
 def _norm_spec(variant: str, groups: int, per_group: int, size: int, first: bool, act,
