@@ -32,6 +32,7 @@ from edge_sdk.model import (
     AvgPool2d,
     Conv1d,
     Conv2d,
+    Embedding,
     Flatten,
     Gelu,
     GlobalAvgPool,
@@ -83,10 +84,15 @@ def load_manifest(path: str | Path) -> Manifest:
         listed = [(p["name"], tuple(p["shape"])) for p in data["params"]]
         grad_graph, infer_graph = data["grad_graph"], data["infer_graph"]
         masked = data.get("masked_grad_graph")
+        declared = data.get("input_dtype", "float32")  # absent in float models' manifests
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{path}: not a valid fedge model manifest ({exc})") from exc
     if listed != spec.param_shapes():
         raise ValueError(f"{path}: parameter list {listed} does not match the spec's")
+    if declared != spec.input_dtype:
+        # the graphs' x input has the declared dtype; a spec that disagrees cannot feed it
+        raise ValueError(f"{path}: input_dtype {declared!r} does not match the spec's "
+                         f"{spec.input_dtype!r} (an Embedding first reads int64 ids)")
     return Manifest(
         name=str(data["name"]),
         spec=spec,
@@ -119,6 +125,22 @@ class Engine(Protocol):
     ) -> GradResult: ...
 
     def logits(self, params: Sequence[np.ndarray], x: np.ndarray) -> np.ndarray: ...
+
+
+def _inputs(spec: ModelSpec, x: Any) -> np.ndarray:
+    """``x`` as the graph's input dtype: float32, or int64 ids for a model that starts with
+    an Embedding (integer arrays only, each id in [0, num_embeddings))."""
+    if spec.input_dtype == "float32":
+        return np.ascontiguousarray(x, dtype=np.float32)
+    x = np.asarray(x)
+    if not np.issubdtype(x.dtype, np.integer):
+        raise ValueError(f"model {spec.name!r} reads integer ids (its first layer is an "
+                         f"Embedding); x has dtype {x.dtype}, expected an integer dtype")
+    rows = spec.layers[0].num_embeddings
+    if x.size and (x.min() < 0 or x.max() >= rows):
+        raise ValueError(f"ids must be in [0, {rows}) (the Embedding's num_embeddings), "
+                         f"got {x.min()}..{x.max()}")
+    return np.ascontiguousarray(x, dtype=np.int64)
 
 
 def _check_batch(spec: ModelSpec, x: np.ndarray, y: np.ndarray | None = None) -> None:
@@ -210,7 +232,7 @@ class OnnxEngine:
             masks: optional 0/1 float arrays shaped like ``params``: norms, clipping and
                 sums then cover only the coordinates where the mask is 1.
         """
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = _inputs(self.spec, x)
         y = np.ascontiguousarray(y, dtype=np.int64)
         _check_batch(self.spec, x, y)
         feeds = dict(zip(self._names, _check_params(self.spec, params), strict=True))
@@ -228,7 +250,7 @@ class OnnxEngine:
 
     def logits(self, params: Sequence[np.ndarray], x: np.ndarray) -> np.ndarray:
         """Logits [B, num_classes] of a batch."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = _inputs(self.spec, x)
         _check_batch(self.spec, x)
         feeds = dict(zip(self._names, _check_params(self.spec, params), strict=True))
         feeds["x"] = x
@@ -465,7 +487,11 @@ class NumpyEngine:
         cache: list = []
         h, pi = x, 0
         for layer in self.spec.layers:
-            if isinstance(layer, Linear):
+            if isinstance(layer, Embedding):
+                cache.append((h, pi))
+                h = params[pi][h]
+                pi += 1
+            elif isinstance(layer, Linear):
                 cache.append((h, pi))
                 h = h @ params[pi].T + params[pi + 1]
                 pi += 2
@@ -534,6 +560,16 @@ class NumpyEngine:
         sq = np.zeros(len(y), dtype=np.float64)
         pieces: dict[int, tuple] = {}
         for layer, c in zip(reversed(self.spec.layers), reversed(cache), strict=True):
+            if isinstance(layer, Embedding):  # always the first layer: nothing below it
+                ids, pi = c
+                gw = np.zeros((len(y), layer.num_embeddings, layer.embedding_dim), np.float32)
+                rows = np.broadcast_to(np.arange(len(y))[:, None], ids.shape)
+                np.add.at(gw, (rows, ids), d)  # a repeated id adds its positions
+                if masks is not None:
+                    gw = gw * masks[pi]
+                sq += np.einsum("bvd,bvd->b", gw, gw)
+                pieces[pi] = ("embedding", gw)
+                break
             if isinstance(layer, Linear):
                 a, pi = c
                 if masks is None:
@@ -617,7 +653,7 @@ class NumpyEngine:
         masks: Sequence[np.ndarray] | None = None,
     ) -> GradResult:
         """Same contract as :meth:`OnnxEngine.clipped_grad_sum`."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = _inputs(self.spec, x)
         y = np.asarray(y, dtype=np.int64)
         _check_batch(self.spec, x, y)
         ps = _check_params(self.spec, params)
@@ -626,10 +662,13 @@ class NumpyEngine:
         norms = np.sqrt(sq).astype(np.float32)
         scale = np.minimum(np.float32(1.0), np.float32(clip) / np.maximum(norms, _TINY))
         out: list[np.ndarray] = []
-        for pi, (_, shape) in enumerate(self.spec.param_shapes()):
-            if pi % 2:
+        shapes = self.spec.param_shapes()
+        for pi in sorted(pieces):  # graph order: each layer's parameters from index pi
+            kind, p1, p2 = (*pieces[pi], None)[:3]
+            shape = shapes[pi][1]
+            if kind == "embedding":
+                out.append(np.tensordot(scale, p1, axes=1) * (1 if ms is None else ms[pi]))
                 continue
-            kind, p1, p2 = pieces[pi]
             if kind == "linear":
                 ds = p1 * scale[:, None]
                 pair = [ds.T @ p2, ds.sum(axis=0)]
@@ -652,14 +691,16 @@ class NumpyEngine:
         self, params: Sequence[np.ndarray], x: np.ndarray, y: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`per_sample_grads` and each sample's cross-entropy loss [B], one pass."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = _inputs(self.spec, x)
         y = np.asarray(y, dtype=np.int64)
         _check_batch(self.spec, x, y)
         pieces, _, losses = self._backward(_check_params(self.spec, params), x, y)
         cols = []
-        for pi in range(0, len(self.spec.param_shapes()), 2):
-            kind, p1, p2 = pieces[pi]
-            if kind == "linear":
+        for pi in sorted(pieces):
+            kind, p1, p2 = (*pieces[pi], None)[:3]
+            if kind == "embedding":
+                cols.append(p1.reshape(len(y), -1))
+            elif kind == "linear":
                 cols += [np.einsum("bo,bi->boi", p1, p2).reshape(len(y), -1), p1]
             elif kind == "norm":
                 cols += [p1.reshape(len(y), -1), p2.reshape(len(y), -1)]
@@ -669,7 +710,7 @@ class NumpyEngine:
 
     def logits(self, params: Sequence[np.ndarray], x: np.ndarray) -> np.ndarray:
         """Logits [B, num_classes] of a batch."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = _inputs(self.spec, x)
         _check_batch(self.spec, x)
         return self._forward(_check_params(self.spec, params), x)[0]
 

@@ -27,6 +27,7 @@ __all__ = [
     "AvgPool2d",
     "Conv1d",
     "Conv2d",
+    "Embedding",
     "Flatten",
     "Gelu",
     "GlobalAvgPool",
@@ -65,6 +66,25 @@ class Linear:
     in_features: int
     out_features: int
     kind: str = field(default="linear", init=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Embedding:
+    """torch's nn.Embedding(num_embeddings, embedding_dim): integer ids [L] -> the rows [L, D]
+    of a [num_embeddings, embedding_dim] table. Only as the first layer: the model's input is
+    then integer (``ModelSpec.input_dtype`` is "int64", declared in the manifest), and ids
+    outside [0, num_embeddings) are refused. A sample's gradient is nonzero only in the rows
+    of its ids; an id repeated within a sample adds its positions' gradients."""
+
+    num_embeddings: int
+    embedding_dim: int
+    kind: str = field(default="embedding", init=False)
+
+    def __post_init__(self) -> None:
+        for attr in ("num_embeddings", "embedding_dim"):
+            value = getattr(self, attr)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Embedding {attr} must be an int >= 1, got {value!r}")
 
 
 def _check_conv(layer: Any) -> None:
@@ -340,12 +360,14 @@ class Hardswish:
     kind: str = field(default="hardswish", init=False)
 
 
-Layer = (Linear | Conv2d | Conv1d | MaxPool2d | MaxPool1d | AvgPool2d | AvgPool1d | GlobalAvgPool
-         | Relu | Flatten | Tanh | Sigmoid | Gelu | LeakyRelu | Hardswish | LayerNorm | GroupNorm)
+Layer = (Linear | Embedding | Conv2d | Conv1d | MaxPool2d | MaxPool1d | AvgPool2d | AvgPool1d
+         | GlobalAvgPool | Relu | Flatten | Tanh | Sigmoid | Gelu | LeakyRelu | Hardswish
+         | LayerNorm | GroupNorm)
 # Element-wise activations: no parameters, shape kept, gradient = upstream * f'(pre-activation).
 ACTIVATIONS = (Relu, Tanh, Sigmoid, Gelu, LeakyRelu, Hardswish)
 _LAYER_TYPES: dict[str, type] = {
     "linear": Linear,
+    "embedding": Embedding,
     "conv2d": Conv2d,
     "conv1d": Conv1d,
     "maxpool2d": MaxPool2d,
@@ -386,11 +408,19 @@ class ModelSpec:
                 f"model {self.name!r} ends in shape {shape}, expected ({self.num_classes},)"
             )
 
+    @property
+    def input_dtype(self) -> str:
+        """"int64" for a model reading integer ids (first layer an Embedding), else
+        "float32"."""
+        return "int64" if self.layers and isinstance(self.layers[0], Embedding) else "float32"
+
     def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """Names and shapes of the parameters, in graph-input order (torch's layout)."""
         out: list[tuple[str, tuple[int, ...]]] = []
         for i, layer in enumerate(self.layers):
-            if isinstance(layer, Linear):
+            if isinstance(layer, Embedding):
+                out.append((f"l{i}.weight", (layer.num_embeddings, layer.embedding_dim)))
+            elif isinstance(layer, Linear):
                 out.append((f"l{i}.weight", (layer.out_features, layer.in_features)))
                 out.append((f"l{i}.bias", (layer.out_features,)))
             elif isinstance(layer, Conv2d):
@@ -464,6 +494,13 @@ class ModelSpec:
 
 def _out_shape(layer: Layer, shape: tuple[int, ...], index: int) -> tuple[int, ...]:
     where = f"layer {index} ({layer.kind})"
+    if isinstance(layer, Embedding):
+        if index != 0:
+            raise UnsupportedLayer(f"{where}: an Embedding must be the first layer (it reads "
+                                   "the model's integer input)")
+        if len(shape) != 1:
+            raise ValueError(f"{where} expects integer ids of shape (L,), got {shape}")
+        return (shape[0], layer.embedding_dim)
     if isinstance(layer, Linear):
         if shape != (layer.in_features,):
             raise ValueError(f"{where} expects input ({layer.in_features},), got {shape}")
@@ -610,6 +647,8 @@ def _norm_param_indices(spec: ModelSpec) -> dict[int, bool]:
             out[pi], out[pi + 1] = True, False
         if isinstance(layer, Linear | Conv2d | Conv1d | LayerNorm | GroupNorm):
             pi += 2
+        elif isinstance(layer, Embedding):
+            pi += 1
     return out
 
 

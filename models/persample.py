@@ -32,6 +32,9 @@ out layer by layer for the supported set, with the weights as graph inputs:
   gradient is rstd * (g - mean(g) - xhat * mean(g * xhat)) per normalisation group, with
   g = d * weight. BatchNorm is refused (edge_sdk.model.BATCHNORM_REASON).
 * Relu: gradient where the pre-activation is > 0 (torch's rule at 0).
+* Embedding (first layer, int64 ids [B, L]): rows gathered from the table; the per-sample
+  table gradient [B, V, D] is one_hot(ids)^T @ d (a repeated id adds its positions), its
+  clipped sum one MatMul of the scaled d with the one-hot ids.
 * Tanh, Sigmoid, GELU (erf or tanh form), LeakyReLU, Hardswish: the upstream gradient times
   f'(pre-activation), f' written out as torch's autograd computes it (see ``activation``).
 
@@ -61,6 +64,7 @@ from edge_sdk.model import (
     AvgPool2d,
     Conv1d,
     Conv2d,
+    Embedding,
     Flatten,
     Gelu,
     GlobalAvgPool,
@@ -311,7 +315,11 @@ class PerSampleGrad(nn.Module):
         cache: list[dict[str, Any]] = []
         h, pi = x, 0
         for layer in self.spec.layers:
-            if isinstance(layer, Linear):
+            if isinstance(layer, Embedding):
+                cache.append({"ids": h, "pi": pi})
+                h = params[pi][h]
+                pi += 1
+            elif isinstance(layer, Linear):
                 w, b = params[pi], params[pi + 1]
                 cache.append({"a": h, "w": w, "pi": pi})
                 h = h @ w.t() + b
@@ -369,6 +377,14 @@ class PerSampleGrad(nn.Module):
         sq = torch.zeros_like(losses)
         saved: list[tuple[str, Any]] = []
         for layer, c in zip(reversed(self.spec.layers), reversed(cache), strict=True):
+            if isinstance(layer, Embedding):  # always the first layer: nothing below it
+                onehot_ids = F.one_hot(c["ids"], layer.num_embeddings).to(d.dtype)
+                gw = torch.matmul(onehot_ids.transpose(1, 2), d)  # B, V, D
+                if masks is not None:
+                    gw = gw * masks[c["pi"]]
+                sq = sq + (gw * gw).sum(dim=(1, 2))
+                saved.append(("embedding", (c["pi"], gw)))
+                break
             if isinstance(layer, Linear):
                 a, pi = c["a"], c["pi"]
                 if masks is None:
@@ -422,7 +438,10 @@ class PerSampleGrad(nn.Module):
         scale = torch.clamp(clip / torch.clamp(norms, min=_TINY), max=1.0)
         grads: list[Tensor] = [torch.empty(0)] * self.n_params
         for kind, payload in saved:
-            if kind == "linear":
+            if kind == "embedding":
+                pi, gw = payload
+                grads[pi] = torch.einsum("b,bvd->vd", scale, gw)
+            elif kind == "linear":
                 pi, dl, a = payload
                 ds = dl * scale[:, None]
                 grads[pi] = ds.t() @ a
@@ -454,7 +473,10 @@ class Logits(nn.Module):
     def forward(self, *args: Tensor) -> Tensor:
         params, h, pi = args[: self.n_params], args[-1], 0
         for layer in self.spec.layers:
-            if isinstance(layer, Linear):
+            if isinstance(layer, Embedding):
+                h = params[pi][h]
+                pi += 1
+            elif isinstance(layer, Linear):
                 h = h @ params[pi].t() + params[pi + 1]
                 pi += 2
             elif _plain(layer):

@@ -19,6 +19,7 @@ from edge_sdk.model import (
     AvgPool2d,
     Conv1d,
     Conv2d,
+    Embedding,
     Flatten,
     Gelu,
     GlobalAvgPool,
@@ -41,7 +42,9 @@ def build_module(spec: ModelSpec, params: Sequence[np.ndarray] | None = None) ->
     """An ``nn.Sequential`` equal to ``spec``; loads ``params`` (graph order) when given."""
     mods: list[nn.Module] = []
     for layer in spec.layers:
-        if isinstance(layer, Linear):
+        if isinstance(layer, Embedding):
+            mods.append(nn.Embedding(layer.num_embeddings, layer.embedding_dim))
+        elif isinstance(layer, Linear):
             mods.append(nn.Linear(layer.in_features, layer.out_features))
         elif isinstance(layer, Conv2d | Conv1d):
             cls = nn.Conv2d if isinstance(layer, Conv2d) else nn.Conv1d
@@ -97,7 +100,8 @@ def load_params(module: nn.Module, params: Sequence[np.ndarray]) -> None:
 
 
 _SUPPORTED = (
-    "Linear, Conv2d/Conv1d (with bias; square kernel, same stride, numeric zero padding and "
+    "Embedding (first layer; no padding_idx, max_norm or scale_grad_by_freq), Linear, "
+    "Conv2d/Conv1d (with bias; square kernel, same stride, numeric zero padding and "
     "dilation on both axes; any groups), MaxPool2d/MaxPool1d and AvgPool2d/AvgPool1d (square, "
     "no padding, floor mode; max pools undilated), AdaptiveAvgPool2d(1)/AdaptiveAvgPool1d(1), "
     "ReLU, Tanh, Sigmoid, GELU, LeakyReLU, Hardswish, LayerNorm/GroupNorm (affine, with bias), "
@@ -128,7 +132,11 @@ def spec_from_module(
     layers: list = []
     for i, mod in enumerate(module):
         kind = type(mod).__name__
-        if isinstance(mod, nn.Linear) and mod.bias is not None:
+        if (isinstance(mod, nn.Embedding) and mod.padding_idx is None and mod.max_norm is None
+                and not mod.scale_grad_by_freq):
+            layers.append(Embedding(num_embeddings=mod.num_embeddings,
+                                    embedding_dim=mod.embedding_dim))
+        elif isinstance(mod, nn.Linear) and mod.bias is not None:
             layers.append(Linear(in_features=mod.in_features, out_features=mod.out_features))
         elif (isinstance(mod, nn.Conv2d | nn.Conv1d) and mod.bias is not None
               and len(set(mod.kernel_size)) == 1 and len(set(mod.stride)) == 1

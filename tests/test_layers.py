@@ -68,7 +68,10 @@ def _torch_per_sample(spec: ModelSpec, params, x, y) -> np.ndarray:
 
 
 def _batch(spec: ModelSpec, b: int, rng: np.random.Generator):
-    x = (2.0 * rng.standard_normal((b, *spec.input_shape))).astype(np.float32)
+    if spec.input_dtype == "int64":  # ids for a leading Embedding, repeats likely
+        x = rng.integers(0, spec.layers[0].num_embeddings, (b, *spec.input_shape))
+    else:
+        x = (2.0 * rng.standard_normal((b, *spec.input_shape))).astype(np.float32)
     return x, rng.integers(0, spec.num_classes, b)
 
 
@@ -814,3 +817,87 @@ def test_every_new_kind_onnx_graphs_match_torch_func_and_opacus(exported, which:
         check_against_torch_func(spec, (engine, NumpyEngine(spec)), b=b, seed=b,
                                  params=params, x=x, y=y)
     check_opacus_step(spec, engine, monkeypatch)
+
+
+# --- 5. Embedding: integer ids in, per-sample gradient rows of the table --------------------
+
+def _embed_spec(rows: int, dim: int, length: int, tail: str, act, classes: int) -> ModelSpec:
+    """Embedding -> (act | LayerNorm | Conv1d over the ids as channels | nothing) -> flatten
+    -> linear."""
+    from edge_sdk.model import Conv1d, Embedding, LayerNorm
+
+    mid: list = {"act": [act], "layernorm": [LayerNorm(normalized_shape=(dim,)), act],
+                 "conv": [Conv1d(in_channels=length, out_channels=2, kernel=1), act],
+                 "none": []}[tail]
+    width = 2 * dim if tail == "conv" else length * dim
+    return ModelSpec(name="embed", input_shape=(length,), num_classes=classes, layers=(
+        Embedding(num_embeddings=rows, embedding_dim=dim), *mid, Flatten(),
+        Linear(in_features=width, out_features=classes)))
+
+
+@HYPO
+@given(rows=st.integers(1, 6), dim=st.integers(1, 4), length=st.integers(1, 5),
+       tail=st.sampled_from(["act", "layernorm", "conv", "none"]), act=ACTS,
+       b=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_embedding_matches_torch_func(rows, dim, length, tail, act, b, seed) -> None:
+    spec = _embed_spec(rows, dim, length, tail, act, 3)
+    rng = np.random.default_rng(seed)
+    params = _perturbed(spec, rng)
+    x, y = _batch(spec, b, rng)
+    check_against_torch_func(spec, both(spec), b=b, seed=seed, params=params, x=x, y=y)
+
+
+EMBED_MODEL = _embed_spec(7, 3, 5, "layernorm", Gelu(), 4)
+
+
+def test_embedding_onnx_graphs_match_torch_func_and_opacus(exported, monkeypatch) -> None:
+    spec = EMBED_MODEL
+    engine = exported(spec)
+    for b in (1, 9):
+        rng = np.random.default_rng(b)
+        params = _perturbed(spec, rng)
+        x, y = _batch(spec, b, rng)
+        check_against_torch_func(spec, (engine,), b=b, seed=b, params=params, x=x, y=y)
+    check_opacus_step(spec, engine, monkeypatch)
+
+
+def test_embedding_manifest_declares_integer_input_and_bad_ids_are_refused(tmp_path) -> None:
+    import json
+
+    from torch import nn
+
+    from edge_sdk.model import Embedding
+
+    spec = EMBED_MODEL
+    assert spec.input_dtype == "int64" and ALL_MODELS["seq"].input_dtype == "float32"
+    path = export_variant(spec, tmp_path)
+    manifest = json.loads(path.read_text())
+    assert manifest["input_dtype"] == "int64"
+    engine = load_engine(path)
+    params = init_params(spec, np.random.default_rng(0))
+    y = np.zeros(2, dtype=np.int64)
+    for eng in (engine, NumpyEngine(spec)):
+        with pytest.raises(ValueError, match="reads integer ids.*dtype float32"):
+            eng.clipped_grad_sum(params, np.zeros((2, 5), np.float32), y, 1.0)
+        with pytest.raises(ValueError, match=r"ids must be in \[0, 7\).*got 0\.\.7"):
+            eng.logits(params, np.array([[0, 1, 2, 3, 7]] * 2))
+        assert eng.logits(params, np.array([[0, 1, 2, 3, 6]] * 2, dtype=np.int32)).shape == (2, 4)
+    del manifest["input_dtype"]
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="input_dtype 'float32' does not match.*'int64'"):
+        load_engine(path)
+    module = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 2))
+    got = spec_from_module(module, (3,), 2)
+    assert got.layers[0] == Embedding(num_embeddings=10, embedding_dim=4)
+    assert got.param_shapes()[0] == ("l0.weight", (10, 4))
+    assert ModelSpec.from_dict(got.to_dict()) == got
+    for bad in (nn.Embedding(10, 4, padding_idx=0), nn.Embedding(10, 4, max_norm=1.0),
+                nn.Embedding(10, 4, scale_grad_by_freq=True)):
+        with pytest.raises(UnsupportedLayer, match=r"layer 0 \(Embedding"):
+            spec_from_module(nn.Sequential(bad), (3,), 2)
+    with pytest.raises(UnsupportedLayer, match="must be the first layer"):
+        ModelSpec(name="x", input_shape=(3,), num_classes=2, layers=(
+            Linear(in_features=3, out_features=3),
+            Embedding(num_embeddings=3, embedding_dim=2)))
+    with pytest.raises(ValueError, match="embedding_dim must be an int >= 1"):
+        Embedding(num_embeddings=3, embedding_dim=0)
