@@ -32,6 +32,7 @@ from edge_sdk.model import (
     AvgPool2d,
     Conv1d,
     Conv2d,
+    Embedding,
     Flatten,
     Gelu,
     GlobalAvgPool,
@@ -40,6 +41,7 @@ from edge_sdk.model import (
     LayerNorm,
     LeakyRelu,
     Linear,
+    MaxPool1d,
     MaxPool2d,
     ModelSpec,
     Relu,
@@ -82,10 +84,15 @@ def load_manifest(path: str | Path) -> Manifest:
         listed = [(p["name"], tuple(p["shape"])) for p in data["params"]]
         grad_graph, infer_graph = data["grad_graph"], data["infer_graph"]
         masked = data.get("masked_grad_graph")
+        declared = data.get("input_dtype", "float32")  # absent in float models' manifests
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{path}: not a valid fedge model manifest ({exc})") from exc
     if listed != spec.param_shapes():
         raise ValueError(f"{path}: parameter list {listed} does not match the spec's")
+    if declared != spec.input_dtype:
+        # the graphs' x input has the declared dtype; a spec that disagrees cannot feed it
+        raise ValueError(f"{path}: input_dtype {declared!r} does not match the spec's "
+                         f"{spec.input_dtype!r} (an Embedding first reads int64 ids)")
     return Manifest(
         name=str(data["name"]),
         spec=spec,
@@ -118,6 +125,22 @@ class Engine(Protocol):
     ) -> GradResult: ...
 
     def logits(self, params: Sequence[np.ndarray], x: np.ndarray) -> np.ndarray: ...
+
+
+def _inputs(spec: ModelSpec, x: Any) -> np.ndarray:
+    """``x`` as the graph's input dtype: float32, or int64 ids for a model that starts with
+    an Embedding (integer arrays only, each id in [0, num_embeddings))."""
+    if spec.input_dtype == "float32":
+        return np.ascontiguousarray(x, dtype=np.float32)
+    x = np.asarray(x)
+    if not np.issubdtype(x.dtype, np.integer):
+        raise ValueError(f"model {spec.name!r} reads integer ids (its first layer is an "
+                         f"Embedding); x has dtype {x.dtype}, expected an integer dtype")
+    rows = spec.layers[0].num_embeddings
+    if x.size and (x.min() < 0 or x.max() >= rows):
+        raise ValueError(f"ids must be in [0, {rows}) (the Embedding's num_embeddings), "
+                         f"got {x.min()}..{x.max()}")
+    return np.ascontiguousarray(x, dtype=np.int64)
 
 
 def _check_batch(spec: ModelSpec, x: np.ndarray, y: np.ndarray | None = None) -> None:
@@ -209,7 +232,7 @@ class OnnxEngine:
             masks: optional 0/1 float arrays shaped like ``params``: norms, clipping and
                 sums then cover only the coordinates where the mask is 1.
         """
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = _inputs(self.spec, x)
         y = np.ascontiguousarray(y, dtype=np.int64)
         _check_batch(self.spec, x, y)
         feeds = dict(zip(self._names, _check_params(self.spec, params), strict=True))
@@ -227,7 +250,7 @@ class OnnxEngine:
 
     def logits(self, params: Sequence[np.ndarray], x: np.ndarray) -> np.ndarray:
         """Logits [B, num_classes] of a batch."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = _inputs(self.spec, x)
         _check_batch(self.spec, x)
         feeds = dict(zip(self._names, _check_params(self.spec, params), strict=True))
         feeds["x"] = x
@@ -281,7 +304,7 @@ def _im2col(x: np.ndarray, k: int) -> np.ndarray:
 def _plain(layer: Any) -> bool:
     """A stride-1, unpadded, undilated Conv2d: the zoo's conv, with its own (older) code."""
     return (isinstance(layer, Conv2d) and layer.stride == 1 and layer.padding == 0
-            and layer.dilation == 1)
+            and layer.dilation == 1 and layer.groups == 1)
 
 
 def _conv_cols(x: np.ndarray, layer: Conv2d | Conv1d) -> np.ndarray:
@@ -295,6 +318,29 @@ def _conv_cols(x: np.ndarray, layer: Conv2d | Conv1d) -> np.ndarray:
     win = win[:, :, ::sh, ::sw, ::dh, ::dw]  # B, C, Ho, Wo, kh, kw
     ho, wo = win.shape[2], win.shape[3]
     return win.transpose(0, 1, 4, 5, 2, 3).reshape(b, c * kh * kw, ho * wo)
+
+
+def _grouped(a: np.ndarray, groups: int) -> np.ndarray:
+    """[B, R, N] -> [B, G, R/G, N]: rows split into the channel groups' blocks."""
+    return a.reshape(a.shape[0], groups, -1, a.shape[2])
+
+
+def _conv_apply(w: np.ndarray, cols: np.ndarray, groups: int) -> np.ndarray:
+    """Conv output [B, out, Ho*Wo] from columns [B, C*kh*kw, Ho*Wo], one MatMul per group."""
+    wg = w.reshape(groups, w.shape[0] // groups, -1)
+    return np.matmul(wg, _grouped(cols, groups)).reshape(cols.shape[0], w.shape[0], -1)
+
+
+def _conv_weight_grad(dflat: np.ndarray, cols: np.ndarray, groups: int) -> np.ndarray:
+    """Per-sample weight gradients [B, out, (C/G)*kh*kw]: a group sees only its channels."""
+    gw = np.matmul(_grouped(dflat, groups), _grouped(cols, groups).transpose(0, 1, 3, 2))
+    return gw.reshape(dflat.shape[0], dflat.shape[1], -1)
+
+
+def _conv_cols_grad(w: np.ndarray, dflat: np.ndarray, groups: int) -> np.ndarray:
+    """Gradient w.r.t. the columns [B, C*kh*kw, Ho*Wo] (then col2im gives the input's)."""
+    wg = w.reshape(groups, w.shape[0] // groups, -1).transpose(0, 2, 1)
+    return np.matmul(wg, _grouped(dflat, groups)).reshape(dflat.shape[0], -1, dflat.shape[2])
 
 
 def _conv_col2im(dcols: np.ndarray, in_shape: tuple[int, ...], layer: Conv2d | Conv1d,
@@ -393,6 +439,44 @@ def _unpool(g: np.ndarray, masks: list[np.ndarray]) -> np.ndarray:
     return out
 
 
+def _pair_pool(layer: Any, h: np.ndarray) -> bool:
+    """The zoo's 2x2 stride-2 max pool on even sizes, with its own (older) code."""
+    return (isinstance(layer, MaxPool2d) and layer.kernel == 2 and layer.stride == 2
+            and h.shape[2] % 2 == 0 and h.shape[3] % 2 == 0)
+
+
+def _max_pool(h: np.ndarray, layer: MaxPool2d | MaxPool1d) -> tuple[np.ndarray, tuple]:
+    """Max pool of any kernel and stride (no padding, floor mode) and its backward cache:
+    one winner mask per window element, the first maximum in scan order (torch's ties)."""
+    (kh, kw), (sh, sw) = pool_geometry(layer)
+    h4 = h[:, :, None, :] if isinstance(layer, MaxPool1d) else h
+    hi, wi = h4.shape[2], h4.shape[3]
+    ho, wo = (hi - kh) // sh + 1, (wi - kw) // sw + 1
+    parts = [h4[:, :, i : i + (ho - 1) * sh + 1 : sh, j : j + (wo - 1) * sw + 1 : sw]
+             for i in range(kh) for j in range(kw)]
+    m = np.maximum.reduce(parts)
+    masks, taken = [], np.zeros(m.shape, dtype=bool)
+    for part in parts:
+        hit = (part == m) & ~taken
+        masks.append(hit)
+        taken |= hit
+    out = m[:, :, 0, :] if isinstance(layer, MaxPool1d) else m
+    return out, (masks, h.shape)
+
+
+def _max_unpool(d: np.ndarray, cache: tuple, layer: MaxPool2d | MaxPool1d) -> np.ndarray:
+    """Input gradient of :func:`_max_pool`: overlapping windows add at shared inputs."""
+    masks, in_shape = cache
+    (kh, kw), (sh, sw) = pool_geometry(layer)
+    d4 = d[:, :, None, :] if isinstance(layer, MaxPool1d) else d
+    b, c, ho, wo = d4.shape
+    hi, wi = (1, in_shape[2]) if isinstance(layer, MaxPool1d) else in_shape[2:]
+    out = np.zeros((b, c, hi, wi), dtype=d.dtype)
+    for mask, (i, j) in zip(masks, [(i, j) for i in range(kh) for j in range(kw)], strict=True):
+        out[:, :, i : i + (ho - 1) * sh + 1 : sh, j : j + (wo - 1) * sw + 1 : sw] += d4 * mask
+    return out.reshape(in_shape)
+
+
 class NumpyEngine:
     """The same per-sample formulas in numpy: torch-free reference and fallback."""
 
@@ -403,7 +487,11 @@ class NumpyEngine:
         cache: list = []
         h, pi = x, 0
         for layer in self.spec.layers:
-            if isinstance(layer, Linear):
+            if isinstance(layer, Embedding):
+                cache.append((h, pi))
+                h = params[pi][h]
+                pi += 1
+            elif isinstance(layer, Linear):
                 cache.append((h, pi))
                 h = h @ params[pi].T + params[pi + 1]
                 pi += 2
@@ -419,7 +507,10 @@ class NumpyEngine:
                 h4 = h if isinstance(layer, Conv2d) else h[:, :, None, :]
                 cols = _conv_cols(h4, layer)
                 cache.append((cols, pi, h4.shape, layer))
-                out = np.matmul(params[pi].reshape(layer.out_channels, -1), cols)
+                if layer.groups == 1:
+                    out = np.matmul(params[pi].reshape(layer.out_channels, -1), cols)
+                else:
+                    out = _conv_apply(params[pi], cols, layer.groups)
                 out = out + params[pi + 1][:, None]
                 (kh, kw), (sh, sw), (ph, pw), (dh, dw) = conv_geometry(layer)
                 ho = (h4.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
@@ -427,9 +518,12 @@ class NumpyEngine:
                 shape = (ho, wo) if isinstance(layer, Conv2d) else (wo,)
                 h = out.reshape(h.shape[0], layer.out_channels, *shape)
                 pi += 2
-            elif isinstance(layer, MaxPool2d):
+            elif _pair_pool(layer, h):
                 h, masks = _pool(h)
                 cache.append(masks)
+            elif isinstance(layer, MaxPool2d | MaxPool1d):
+                h, saved_pool = _max_pool(h, layer)
+                cache.append(saved_pool)
             elif isinstance(layer, LayerNorm | GroupNorm):
                 h, saved = _norm_forward(h, params[pi], params[pi + 1], layer)
                 cache.append((saved, pi))
@@ -466,6 +560,16 @@ class NumpyEngine:
         sq = np.zeros(len(y), dtype=np.float64)
         pieces: dict[int, tuple] = {}
         for layer, c in zip(reversed(self.spec.layers), reversed(cache), strict=True):
+            if isinstance(layer, Embedding):  # always the first layer: nothing below it
+                ids, pi = c
+                gw = np.zeros((len(y), layer.num_embeddings, layer.embedding_dim), np.float32)
+                rows = np.broadcast_to(np.arange(len(y))[:, None], ids.shape)
+                np.add.at(gw, (rows, ids), d)  # a repeated id adds its positions
+                if masks is not None:
+                    gw = gw * masks[pi]
+                sq += np.einsum("bvd,bvd->b", gw, gw)
+                pieces[pi] = ("embedding", gw)
+                break
             if isinstance(layer, Linear):
                 a, pi = c
                 if masks is None:
@@ -481,7 +585,10 @@ class NumpyEngine:
             elif isinstance(layer, Conv2d | Conv1d):
                 cols, pi, in_shape = c[:3]
                 dflat = d.reshape(d.shape[0], d.shape[1], -1)
-                gw = np.matmul(dflat, cols.transpose(0, 2, 1))
+                if layer.groups == 1:
+                    gw = np.matmul(dflat, cols.transpose(0, 2, 1))
+                else:
+                    gw = _conv_weight_grad(dflat, cols, layer.groups)
                 gb = dflat.sum(axis=2)
                 if masks is not None:
                     gw = gw * masks[pi].reshape(1, gw.shape[1], -1)
@@ -490,8 +597,11 @@ class NumpyEngine:
                 pieces[pi] = ("conv", gw, gb)
                 if pi == 0:
                     break
-                w2 = params[pi].reshape(layer.out_channels, -1)
-                dcols = np.matmul(w2.T, dflat)  # B, C*k*k, Ho*Wo
+                if layer.groups == 1:
+                    w2 = params[pi].reshape(layer.out_channels, -1)
+                    dcols = np.matmul(w2.T, dflat)  # B, C*k*k, Ho*Wo
+                else:
+                    dcols = _conv_cols_grad(params[pi], dflat, layer.groups)
                 if len(c) == 4:
                     out_hw = d.shape[2:] if isinstance(layer, Conv2d) else (1, d.shape[2])
                     d = _conv_col2im(dcols, in_shape, layer, out_hw)
@@ -499,8 +609,8 @@ class NumpyEngine:
                         d = d[:, :, 0, :]
                 else:
                     d = self._col2im(dcols, in_shape, layer.kernel)
-            elif isinstance(layer, MaxPool2d):
-                d = _unpool(d, c)
+            elif isinstance(layer, MaxPool2d | MaxPool1d):
+                d = _unpool(d, c) if isinstance(c, list) else _max_unpool(d, c, layer)
             elif isinstance(layer, LayerNorm | GroupNorm):
                 saved, pi = c
                 gw, gb = _norm_backward(d, saved)
@@ -543,7 +653,7 @@ class NumpyEngine:
         masks: Sequence[np.ndarray] | None = None,
     ) -> GradResult:
         """Same contract as :meth:`OnnxEngine.clipped_grad_sum`."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = _inputs(self.spec, x)
         y = np.asarray(y, dtype=np.int64)
         _check_batch(self.spec, x, y)
         ps = _check_params(self.spec, params)
@@ -552,10 +662,13 @@ class NumpyEngine:
         norms = np.sqrt(sq).astype(np.float32)
         scale = np.minimum(np.float32(1.0), np.float32(clip) / np.maximum(norms, _TINY))
         out: list[np.ndarray] = []
-        for pi, (_, shape) in enumerate(self.spec.param_shapes()):
-            if pi % 2:
+        shapes = self.spec.param_shapes()
+        for pi in sorted(pieces):  # graph order: each layer's parameters from index pi
+            kind, p1, p2 = (*pieces[pi], None)[:3]
+            shape = shapes[pi][1]
+            if kind == "embedding":
+                out.append(np.tensordot(scale, p1, axes=1) * (1 if ms is None else ms[pi]))
                 continue
-            kind, p1, p2 = pieces[pi]
             if kind == "linear":
                 ds = p1 * scale[:, None]
                 pair = [ds.T @ p2, ds.sum(axis=0)]
@@ -578,14 +691,16 @@ class NumpyEngine:
         self, params: Sequence[np.ndarray], x: np.ndarray, y: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`per_sample_grads` and each sample's cross-entropy loss [B], one pass."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = _inputs(self.spec, x)
         y = np.asarray(y, dtype=np.int64)
         _check_batch(self.spec, x, y)
         pieces, _, losses = self._backward(_check_params(self.spec, params), x, y)
         cols = []
-        for pi in range(0, len(self.spec.param_shapes()), 2):
-            kind, p1, p2 = pieces[pi]
-            if kind == "linear":
+        for pi in sorted(pieces):
+            kind, p1, p2 = (*pieces[pi], None)[:3]
+            if kind == "embedding":
+                cols.append(p1.reshape(len(y), -1))
+            elif kind == "linear":
                 cols += [np.einsum("bo,bi->boi", p1, p2).reshape(len(y), -1), p1]
             elif kind == "norm":
                 cols += [p1.reshape(len(y), -1), p2.reshape(len(y), -1)]
@@ -595,7 +710,7 @@ class NumpyEngine:
 
     def logits(self, params: Sequence[np.ndarray], x: np.ndarray) -> np.ndarray:
         """Logits [B, num_classes] of a batch."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = _inputs(self.spec, x)
         _check_batch(self.spec, x)
         return self._forward(_check_params(self.spec, params), x)[0]
 

@@ -27,6 +27,7 @@ __all__ = [
     "AvgPool2d",
     "Conv1d",
     "Conv2d",
+    "Embedding",
     "Flatten",
     "Gelu",
     "GlobalAvgPool",
@@ -35,6 +36,7 @@ __all__ = [
     "LayerNorm",
     "LeakyRelu",
     "Linear",
+    "MaxPool1d",
     "MaxPool2d",
     "ModelSpec",
     "Relu",
@@ -66,20 +68,45 @@ class Linear:
     kind: str = field(default="linear", init=False)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Embedding:
+    """torch's nn.Embedding(num_embeddings, embedding_dim): integer ids [L] -> the rows [L, D]
+    of a [num_embeddings, embedding_dim] table. Only as the first layer: the model's input is
+    then integer (``ModelSpec.input_dtype`` is "int64", declared in the manifest), and ids
+    outside [0, num_embeddings) are refused. A sample's gradient is nonzero only in the rows
+    of its ids; an id repeated within a sample adds its positions' gradients."""
+
+    num_embeddings: int
+    embedding_dim: int
+    kind: str = field(default="embedding", init=False)
+
+    def __post_init__(self) -> None:
+        for attr in ("num_embeddings", "embedding_dim"):
+            value = getattr(self, attr)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Embedding {attr} must be an int >= 1, got {value!r}")
+
+
 def _check_conv(layer: Any) -> None:
     name = type(layer).__name__
-    for attr in ("in_channels", "out_channels", "kernel", "stride", "dilation"):
+    for attr in ("in_channels", "out_channels", "kernel", "stride", "dilation", "groups"):
         value = getattr(layer, attr)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} {attr} must be an int >= 1, got {value!r}")
     if not isinstance(layer.padding, int) or isinstance(layer.padding, bool) or layer.padding < 0:
         raise ValueError(f"{name} padding must be an int >= 0, got {layer.padding!r}")
+    if layer.in_channels % layer.groups or layer.out_channels % layer.groups:
+        raise ValueError(f"{name} groups must divide in_channels and out_channels, got "
+                         f"groups={layer.groups}, in_channels={layer.in_channels}, "
+                         f"out_channels={layer.out_channels}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Conv2d:
     """Square kernel; the same stride, zero padding and dilation along both axes
-    (torch's defaults: 1, 0, 1). No groups."""
+    (torch's defaults: 1, 0, 1). ``groups`` splits the channels into independent
+    convolutions (torch's ``groups``; groups = in_channels is a depthwise conv), so the
+    weight is [out_channels, in_channels // groups, kernel, kernel]."""
 
     in_channels: int
     out_channels: int
@@ -87,6 +114,7 @@ class Conv2d:
     stride: int = 1
     padding: int = 0
     dilation: int = 1
+    groups: int = 1
     kind: str = field(default="conv2d", init=False)
 
     def __post_init__(self) -> None:
@@ -95,8 +123,8 @@ class Conv2d:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Conv1d:
-    """1-D convolution over [C, L] inputs (time series): stride, zero padding, dilation.
-    Computed as a Conv2d of height 1."""
+    """1-D convolution over [C, L] inputs (time series): stride, zero padding, dilation,
+    groups (as Conv2d). Computed as a Conv2d of height 1."""
 
     in_channels: int
     out_channels: int
@@ -104,6 +132,7 @@ class Conv1d:
     stride: int = 1
     padding: int = 0
     dilation: int = 1
+    groups: int = 1
     kind: str = field(default="conv1d", init=False)
 
     def __post_init__(self) -> None:
@@ -123,18 +152,6 @@ def conv_out_size(size: int, kernel: int, stride: int, padding: int, dilation: i
     return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MaxPool2d:
-    """Non-overlapping 2x2 max pooling; ties go to the first maximum in scan order (torch)."""
-
-    kernel: int = 2
-    kind: str = field(default="maxpool2d", init=False)
-
-    def __post_init__(self) -> None:
-        if self.kernel != 2:
-            raise UnsupportedLayer(f"MaxPool2d kernel must be 2, got {self.kernel!r}")
-
-
 def _check_pool(layer: Any) -> None:
     if layer.stride is None:
         object.__setattr__(layer, "stride", layer.kernel)  # torch's default: stride = kernel
@@ -142,6 +159,34 @@ def _check_pool(layer: Any) -> None:
         value = getattr(layer, attr)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{type(layer).__name__} {attr} must be an int >= 1, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MaxPool2d:
+    """Square max pooling, no padding, floor mode (torch's defaults); stride defaults to the
+    kernel (the zoo's 2x2). Each window's gradient goes to its maximum; ties go to the first
+    maximum in the window's scan order (row by row), as torch's CPU kernel breaks them.
+    Overlapping windows (stride < kernel) add their gradients where they share an input."""
+
+    kernel: int = 2
+    stride: int | None = None
+    kind: str = field(default="maxpool2d", init=False)
+
+    def __post_init__(self) -> None:
+        _check_pool(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MaxPool1d:
+    """Max pooling over [C, L], no padding, floor mode; stride defaults to the kernel.
+    Ties go to the first maximum in the window (torch)."""
+
+    kernel: int
+    stride: int | None = None
+    kind: str = field(default="maxpool1d", init=False)
+
+    def __post_init__(self) -> None:
+        _check_pool(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -246,10 +291,12 @@ class GroupNorm:
 NORMS = (LayerNorm, GroupNorm)
 
 
-def pool_geometry(layer: AvgPool2d | AvgPool1d) -> tuple[tuple[int, int], tuple[int, int]]:
-    """((kh, kw), (sh, sw)) of an average pool seen as 2-D (AvgPool1d: height 1)."""
+def pool_geometry(
+    layer: AvgPool2d | AvgPool1d | MaxPool2d | MaxPool1d,
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((kh, kw), (sh, sw)) of a pool seen as 2-D (AvgPool1d, MaxPool1d: height 1)."""
     k, st = layer.kernel, int(layer.stride or layer.kernel)
-    return ((1, k), (1, st)) if isinstance(layer, AvgPool1d) else ((k, k), (st, st))
+    return ((1, k), (1, st)) if isinstance(layer, AvgPool1d | MaxPool1d) else ((k, k), (st, st))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -313,15 +360,18 @@ class Hardswish:
     kind: str = field(default="hardswish", init=False)
 
 
-Layer = (Linear | Conv2d | Conv1d | MaxPool2d | AvgPool2d | AvgPool1d | GlobalAvgPool | Relu
-         | Flatten | Tanh | Sigmoid | Gelu | LeakyRelu | Hardswish | LayerNorm | GroupNorm)
+Layer = (Linear | Embedding | Conv2d | Conv1d | MaxPool2d | MaxPool1d | AvgPool2d | AvgPool1d
+         | GlobalAvgPool | Relu | Flatten | Tanh | Sigmoid | Gelu | LeakyRelu | Hardswish
+         | LayerNorm | GroupNorm)
 # Element-wise activations: no parameters, shape kept, gradient = upstream * f'(pre-activation).
 ACTIVATIONS = (Relu, Tanh, Sigmoid, Gelu, LeakyRelu, Hardswish)
 _LAYER_TYPES: dict[str, type] = {
     "linear": Linear,
+    "embedding": Embedding,
     "conv2d": Conv2d,
     "conv1d": Conv1d,
     "maxpool2d": MaxPool2d,
+    "maxpool1d": MaxPool1d,
     "avgpool2d": AvgPool2d,
     "avgpool1d": AvgPool1d,
     "globalavgpool": GlobalAvgPool,
@@ -358,20 +408,28 @@ class ModelSpec:
                 f"model {self.name!r} ends in shape {shape}, expected ({self.num_classes},)"
             )
 
+    @property
+    def input_dtype(self) -> str:
+        """"int64" for a model reading integer ids (first layer an Embedding), else
+        "float32"."""
+        return "int64" if self.layers and isinstance(self.layers[0], Embedding) else "float32"
+
     def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """Names and shapes of the parameters, in graph-input order (torch's layout)."""
         out: list[tuple[str, tuple[int, ...]]] = []
         for i, layer in enumerate(self.layers):
-            if isinstance(layer, Linear):
+            if isinstance(layer, Embedding):
+                out.append((f"l{i}.weight", (layer.num_embeddings, layer.embedding_dim)))
+            elif isinstance(layer, Linear):
                 out.append((f"l{i}.weight", (layer.out_features, layer.in_features)))
                 out.append((f"l{i}.bias", (layer.out_features,)))
             elif isinstance(layer, Conv2d):
-                k = layer.kernel
-                out.append((f"l{i}.weight", (layer.out_channels, layer.in_channels, k, k)))
+                k, cin = layer.kernel, layer.in_channels // layer.groups
+                out.append((f"l{i}.weight", (layer.out_channels, cin, k, k)))
                 out.append((f"l{i}.bias", (layer.out_channels,)))
             elif isinstance(layer, Conv1d):
-                k = layer.kernel
-                out.append((f"l{i}.weight", (layer.out_channels, layer.in_channels, k)))
+                k, cin = layer.kernel, layer.in_channels // layer.groups
+                out.append((f"l{i}.weight", (layer.out_channels, cin, k)))
                 out.append((f"l{i}.bias", (layer.out_channels,)))
             elif isinstance(layer, LayerNorm):
                 out.append((f"l{i}.weight", layer.normalized_shape))
@@ -397,6 +455,12 @@ class ModelSpec:
         layers = []
         for layer in self.layers:
             d = {f: getattr(layer, f) for f in layer.__dataclass_fields__ if f != "kind"}
+            # defaults added after the first release are left out, so the zoo's manifests
+            # stay readable by devices that predate them
+            if d.get("groups") == 1 and isinstance(layer, Conv2d | Conv1d):
+                del d["groups"]
+            if isinstance(layer, MaxPool2d) and d["stride"] == d["kernel"]:
+                del d["stride"]
             layers.append({"kind": layer.kind, **d})
         return {
             "name": self.name,
@@ -430,6 +494,13 @@ class ModelSpec:
 
 def _out_shape(layer: Layer, shape: tuple[int, ...], index: int) -> tuple[int, ...]:
     where = f"layer {index} ({layer.kind})"
+    if isinstance(layer, Embedding):
+        if index != 0:
+            raise UnsupportedLayer(f"{where}: an Embedding must be the first layer (it reads "
+                                   "the model's integer input)")
+        if len(shape) != 1:
+            raise ValueError(f"{where} expects integer ids of shape (L,), got {shape}")
+        return (shape[0], layer.embedding_dim)
     if isinstance(layer, Linear):
         if shape != (layer.in_features,):
             raise ValueError(f"{where} expects input ({layer.in_features},), got {shape}")
@@ -448,12 +519,8 @@ def _out_shape(layer: Layer, shape: tuple[int, ...], index: int) -> tuple[int, .
                 f"{layer.padding}) larger than input {shape}"
             )
         return (layer.out_channels, h, w) if rank == 3 else (layer.out_channels, w)
-    if isinstance(layer, MaxPool2d):
-        if len(shape) != 3 or shape[1] % 2 or shape[2] % 2:
-            raise ValueError(f"{where} expects (C, H, W) with even H, W, got {shape}")
-        return (shape[0], shape[1] // 2, shape[2] // 2)
-    if isinstance(layer, AvgPool2d | AvgPool1d):
-        rank, dims = (3, "C, H, W") if isinstance(layer, AvgPool2d) else (2, "C, L")
+    if isinstance(layer, AvgPool2d | AvgPool1d | MaxPool2d | MaxPool1d):
+        rank, dims = (3, "C, H, W") if isinstance(layer, AvgPool2d | MaxPool2d) else (2, "C, L")
         if len(shape) != rank:
             raise ValueError(f"{where} expects input ({dims}), got {shape}")
         (kh, kw), (sh, sw) = pool_geometry(layer)
@@ -580,6 +647,8 @@ def _norm_param_indices(spec: ModelSpec) -> dict[int, bool]:
             out[pi], out[pi + 1] = True, False
         if isinstance(layer, Linear | Conv2d | Conv1d | LayerNorm | GroupNorm):
             pi += 2
+        elif isinstance(layer, Embedding):
+            pi += 1
     return out
 
 

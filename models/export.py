@@ -3,7 +3,8 @@
 Both graphs take the weights as inputs (a new global model needs no re-export) and have a
 dynamic batch dimension, checked after export because the exporter can silently fix it.
 A JSON manifest beside them carries the spec and the parameter names/shapes the device
-needs. Run with ``fedge export``.
+needs, and ``input_dtype: "int64"`` when the input is integer ids (a leading Embedding;
+absent means float32). Run with ``fedge export``.
 """
 
 from __future__ import annotations
@@ -95,7 +96,11 @@ def export_variant(spec: ModelSpec, out_dir: Path = ONNX_DIR) -> Path:
     rng = np.random.default_rng(0)
     params = tuple(torch.tensor(p) for p in init_params(spec, rng))
     b = 4
-    x = torch.tensor(rng.standard_normal((b, *spec.input_shape)).astype(np.float32))
+    if spec.input_dtype == "int64":  # ids for a leading Embedding
+        rows = spec.layers[0].num_embeddings
+        x = torch.tensor(rng.integers(0, rows, (b, *spec.input_shape)), dtype=torch.int64)
+    else:
+        x = torch.tensor(rng.standard_normal((b, *spec.input_shape)).astype(np.float32))
     y = torch.tensor(rng.integers(0, spec.num_classes, b), dtype=torch.int64)
     clip = torch.tensor(1.0, dtype=torch.float32)
     pnames = [n for n, _ in shapes]
@@ -121,6 +126,8 @@ def export_variant(spec: ModelSpec, out_dir: Path = ONNX_DIR) -> Path:
         "grad_outputs": grad_outputs,
         "opset": OPSET,
     }
+    if spec.input_dtype != "float32":  # float models' manifests keep their form
+        manifest["input_dtype"] = spec.input_dtype
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps(manifest, indent=1) + "\n")
     return path

@@ -13,8 +13,17 @@ out layer by layer for the supported set, with the weights as graph inputs:
   same im2col from strided slices of the zero-padded input; the input gradient is a
   transposed conv with those settings and the output padding that restores the input size.
   Stride-1 unpadded Conv2d keeps the code above, so the zoo's graphs do not change.
+* Grouped convs (groups G; depthwise when G = in_channels): the columns split into G blocks
+  of (C/G)*kh*kw rows, one batched MatMul per block pair gives the per-sample weight
+  gradient [B, out, (C/G)*kh*kw] (the weight's own layout); the input gradient is the
+  transposed conv with the same groups.
 * MaxPool2d 2x2: the four window elements by strided slices; the gradient goes to the
   first maximum in scan order, torch's tie rule.
+* MaxPool2d/MaxPool1d of any kernel and stride (no padding, floor mode): the kh*kw window
+  elements by strided slices, a one-hot "winner" mask per element (first maximum in scan
+  order); the input gradient is one transposed conv of the kh*kw masked output gradients
+  with one-hot kernels, which adds overlapping windows' shares. The 2x2 stride-2 pool on even
+  sizes keeps the code above, so the zoo's graphs do not change.
 * AvgPool2d/AvgPool1d (no padding): the output gradient spread evenly over each window, a
   transposed conv of the per-channel map with a constant 1/(kh*kw) kernel; GlobalAvgPool:
   the output gradient / (number of positions), broadcast.
@@ -23,6 +32,9 @@ out layer by layer for the supported set, with the weights as graph inputs:
   gradient is rstd * (g - mean(g) - xhat * mean(g * xhat)) per normalisation group, with
   g = d * weight. BatchNorm is refused (edge_sdk.model.BATCHNORM_REASON).
 * Relu: gradient where the pre-activation is > 0 (torch's rule at 0).
+* Embedding (first layer, int64 ids [B, L]): rows gathered from the table; the per-sample
+  table gradient [B, V, D] is one_hot(ids)^T @ d (a repeated id adds its positions), its
+  clipped sum one MatMul of the scaled d with the one-hot ids.
 * Tanh, Sigmoid, GELU (erf or tanh form), LeakyReLU, Hardswish: the upstream gradient times
   f'(pre-activation), f' written out as torch's autograd computes it (see ``activation``).
 
@@ -52,6 +64,7 @@ from edge_sdk.model import (
     AvgPool2d,
     Conv1d,
     Conv2d,
+    Embedding,
     Flatten,
     Gelu,
     GlobalAvgPool,
@@ -60,6 +73,7 @@ from edge_sdk.model import (
     LayerNorm,
     LeakyRelu,
     Linear,
+    MaxPool1d,
     MaxPool2d,
     ModelSpec,
     Relu,
@@ -83,7 +97,7 @@ def im2col(x: Tensor, k: int) -> Tensor:
 def _plain(layer: Any) -> bool:
     """A stride-1, unpadded, undilated Conv2d: the zoo's conv, with its own (older) code."""
     return (isinstance(layer, Conv2d) and layer.stride == 1 and layer.padding == 0
-            and layer.dilation == 1)
+            and layer.dilation == 1 and layer.groups == 1)
 
 
 def conv_cols(x: Tensor, layer: Conv2d | Conv1d) -> tuple[Tensor, int, int]:
@@ -108,12 +122,34 @@ def conv_input_grad(d: Tensor, w: Tensor, layer: Conv2d | Conv1d,
         length, lo = in_shape[1], d.shape[2]
         pad_out = length + 2 * pw - dw * (kw - 1) - 1 - (lo - 1) * sw
         return F.conv_transpose1d(d, w, stride=sw, padding=pw, output_padding=pad_out,
-                                  dilation=dw)
+                                  groups=layer.groups, dilation=dw)
     h, wd, ho, wo = in_shape[1], in_shape[2], d.shape[2], d.shape[3]
     pad_out = (h + 2 * ph - dh * (kh - 1) - 1 - (ho - 1) * sh,
                wd + 2 * pw - dw * (kw - 1) - 1 - (wo - 1) * sw)
     return F.conv_transpose2d(d, w, stride=(sh, sw), padding=(ph, pw), output_padding=pad_out,
-                              dilation=(dh, dw))
+                              groups=layer.groups, dilation=(dh, dw))
+
+
+def conv_apply(w: Tensor, cols: Tensor, groups: int) -> Tensor:
+    """Conv output [B, out, Ho*Wo] from im2col columns [B, C*kh*kw, Ho*Wo]: one MatMul, or
+    one per channel group (a batched MatMul over the groups)."""
+    out_channels = w.shape[0]
+    if groups == 1:
+        return torch.matmul(w.reshape(out_channels, -1), cols)
+    cg = cols.reshape(cols.shape[0], groups, -1, cols.shape[2])
+    wg = w.reshape(groups, out_channels // groups, -1)
+    return torch.matmul(wg, cg).reshape(cols.shape[0], out_channels, cols.shape[2])
+
+
+def conv_weight_grad(dflat: Tensor, cols: Tensor, groups: int) -> Tensor:
+    """Per-sample weight gradients [B, out, (C/G)*kh*kw] from the output gradient
+    [B, out, Ho*Wo] and the columns [B, C*kh*kw, Ho*Wo]; a group only sees its channels."""
+    if groups == 1:
+        return torch.matmul(dflat, cols.transpose(1, 2))
+    b, out_channels, n = dflat.shape
+    dg = dflat.reshape(b, groups, out_channels // groups, n)
+    cg = cols.reshape(b, groups, -1, n)
+    return torch.matmul(dg, cg.transpose(2, 3)).reshape(b, out_channels, -1)
 
 
 def avg_pool(h: Tensor, layer: AvgPool2d | AvgPool1d) -> Tensor:
@@ -224,6 +260,45 @@ def _unpool(g: Tensor, masks: list[Tensor]) -> Tensor:
     return torch.stack([top, bot], dim=3).reshape(-1, c, 2 * ho, 2 * wo)
 
 
+def _pair_pool(layer: Any, h: Tensor) -> bool:
+    """The zoo's 2x2 stride-2 max pool on even sizes, with its own (older) code."""
+    return (isinstance(layer, MaxPool2d) and layer.kernel == 2 and layer.stride == 2
+            and h.shape[2] % 2 == 0 and h.shape[3] % 2 == 0)
+
+
+def max_pool_forward(h: Tensor, layer: MaxPool2d | MaxPool1d) -> tuple[Tensor, dict[str, Any]]:
+    """Max pool output and its backward cache: one winner mask per window element."""
+    (kh, kw), (sh, sw) = pool_geometry(layer)
+    h4 = h.unsqueeze(2) if isinstance(layer, MaxPool1d) else h
+    hi, wi = h4.shape[2], h4.shape[3]
+    ho, wo = (hi - kh) // sh + 1, (wi - kw) // sw + 1
+    parts = [h4[:, :, i : i + (ho - 1) * sh + 1 : sh, j : j + (wo - 1) * sw + 1 : sw]
+             for i in range(kh) for j in range(kw)]
+    m = parts[0]
+    for part in parts[1:]:
+        m = torch.maximum(m, part)
+    masks, taken = [], torch.zeros_like(m, dtype=torch.bool)
+    for part in parts:  # first maximum in scan order wins, as in torch
+        hit = (part == m) & ~taken
+        masks.append(hit.to(h.dtype))
+        taken = taken | hit
+    out = m.squeeze(2) if isinstance(layer, MaxPool1d) else m
+    return out, {"masks": masks, "hw": (hi, wi), "in_shape": tuple(h.shape[1:])}
+
+
+def max_pool_input_grad(d: Tensor, c: dict[str, Any], layer: MaxPool2d | MaxPool1d) -> Tensor:
+    """Input gradient: each window's gradient to its winner, overlapping windows added."""
+    (kh, kw), (sh, sw) = pool_geometry(layer)
+    d4 = d.unsqueeze(2) if isinstance(layer, MaxPool1d) else d
+    ch, ho, wo = d4.shape[1], d4.shape[2], d4.shape[3]
+    hi, wi = c["hw"]
+    shares = torch.stack([d4 * mk for mk in c["masks"]], dim=2).reshape(-1, kh * kw, ho, wo)
+    onehot = torch.eye(kh * kw, dtype=d.dtype).reshape(kh * kw, 1, kh, kw)
+    g = F.conv_transpose2d(shares, onehot, stride=(sh, sw),
+                           output_padding=(hi - kh - (ho - 1) * sh, wi - kw - (wo - 1) * sw))
+    return g.reshape(-1, ch, hi, wi).reshape(-1, *c["in_shape"])
+
+
 class PerSampleGrad(nn.Module):
     """forward(*params, [*masks,] x, y, clip) -> (norms, losses, *clipped_grad_sums)."""
 
@@ -240,7 +315,11 @@ class PerSampleGrad(nn.Module):
         cache: list[dict[str, Any]] = []
         h, pi = x, 0
         for layer in self.spec.layers:
-            if isinstance(layer, Linear):
+            if isinstance(layer, Embedding):
+                cache.append({"ids": h, "pi": pi})
+                h = params[pi][h]
+                pi += 1
+            elif isinstance(layer, Linear):
                 w, b = params[pi], params[pi + 1]
                 cache.append({"a": h, "w": w, "pi": pi})
                 h = h @ w.t() + b
@@ -258,15 +337,18 @@ class PerSampleGrad(nn.Module):
                 w, b = params[pi], params[pi + 1]
                 cols, ho, wo = conv_cols(h if isinstance(layer, Conv2d) else h.unsqueeze(2),
                                          layer)
-                out = torch.matmul(w.reshape(layer.out_channels, -1), cols) + b[:, None]
+                out = conv_apply(w, cols, layer.groups) + b[:, None]
                 cache.append({"cols": cols, "w": w, "pi": pi, "layer": layer,
                               "in_shape": tuple(h.shape[1:])})
                 shape = (ho, wo) if isinstance(layer, Conv2d) else (wo,)
                 h = out.reshape(-1, layer.out_channels, *shape)
                 pi += 2
-            elif isinstance(layer, MaxPool2d):
+            elif _pair_pool(layer, h):
                 h, winners = _pool_masks(h)
                 cache.append({"winners": winners})
+            elif isinstance(layer, MaxPool2d | MaxPool1d):
+                h, saved_pool = max_pool_forward(h, layer)
+                cache.append(saved_pool)
             elif isinstance(layer, LayerNorm | GroupNorm):
                 h, saved_norm = norm_forward(h, params[pi], params[pi + 1], layer)
                 cache.append({**saved_norm, "pi": pi})
@@ -295,6 +377,14 @@ class PerSampleGrad(nn.Module):
         sq = torch.zeros_like(losses)
         saved: list[tuple[str, Any]] = []
         for layer, c in zip(reversed(self.spec.layers), reversed(cache), strict=True):
+            if isinstance(layer, Embedding):  # always the first layer: nothing below it
+                onehot_ids = F.one_hot(c["ids"], layer.num_embeddings).to(d.dtype)
+                gw = torch.matmul(onehot_ids.transpose(1, 2), d)  # B, V, D
+                if masks is not None:
+                    gw = gw * masks[c["pi"]]
+                sq = sq + (gw * gw).sum(dim=(1, 2))
+                saved.append(("embedding", (c["pi"], gw)))
+                break
             if isinstance(layer, Linear):
                 a, pi = c["a"], c["pi"]
                 if masks is None:
@@ -309,7 +399,7 @@ class PerSampleGrad(nn.Module):
                 d = d @ c["w"]
             elif isinstance(layer, Conv2d | Conv1d):
                 dflat = d.reshape(d.shape[0], d.shape[1], -1)
-                gw = torch.matmul(dflat, c["cols"].transpose(1, 2))
+                gw = conv_weight_grad(dflat, c["cols"], c["layer"].groups if "layer" in c else 1)
                 gb = dflat.sum(dim=2)
                 if masks is not None:
                     gw = gw * masks[c["pi"]].reshape(1, gw.shape[1], -1)
@@ -322,8 +412,9 @@ class PerSampleGrad(nn.Module):
                     d = conv_input_grad(d, c["w"], c["layer"], c["in_shape"])
                 else:
                     d = F.conv_transpose2d(d, c["w"])
-            elif isinstance(layer, MaxPool2d):
-                d = _unpool(d, c["winners"])
+            elif isinstance(layer, MaxPool2d | MaxPool1d):
+                d = (_unpool(d, c["winners"]) if "winners" in c
+                     else max_pool_input_grad(d, c, layer))
             elif isinstance(layer, LayerNorm | GroupNorm):
                 gw, gb = norm_backward(d, c, layer)
                 if masks is not None:
@@ -347,7 +438,10 @@ class PerSampleGrad(nn.Module):
         scale = torch.clamp(clip / torch.clamp(norms, min=_TINY), max=1.0)
         grads: list[Tensor] = [torch.empty(0)] * self.n_params
         for kind, payload in saved:
-            if kind == "linear":
+            if kind == "embedding":
+                pi, gw = payload
+                grads[pi] = torch.einsum("b,bvd->vd", scale, gw)
+            elif kind == "linear":
                 pi, dl, a = payload
                 ds = dl * scale[:, None]
                 grads[pi] = ds.t() @ a
@@ -379,7 +473,10 @@ class Logits(nn.Module):
     def forward(self, *args: Tensor) -> Tensor:
         params, h, pi = args[: self.n_params], args[-1], 0
         for layer in self.spec.layers:
-            if isinstance(layer, Linear):
+            if isinstance(layer, Embedding):
+                h = params[pi][h]
+                pi += 1
+            elif isinstance(layer, Linear):
                 h = h @ params[pi].t() + params[pi + 1]
                 pi += 2
             elif _plain(layer):
@@ -387,14 +484,18 @@ class Logits(nn.Module):
                 pi += 2
             elif isinstance(layer, Conv2d):
                 h = F.conv2d(h, params[pi], params[pi + 1], stride=layer.stride,
-                             padding=layer.padding, dilation=layer.dilation)
+                             padding=layer.padding, dilation=layer.dilation, groups=layer.groups)
                 pi += 2
             elif isinstance(layer, Conv1d):
                 h = F.conv1d(h, params[pi], params[pi + 1], stride=layer.stride,
-                             padding=layer.padding, dilation=layer.dilation)
+                             padding=layer.padding, dilation=layer.dilation, groups=layer.groups)
                 pi += 2
-            elif isinstance(layer, MaxPool2d):
+            elif _pair_pool(layer, h):
                 h = F.max_pool2d(h, 2)
+            elif isinstance(layer, MaxPool2d):
+                h = F.max_pool2d(h, layer.kernel, layer.stride)
+            elif isinstance(layer, MaxPool1d):
+                h = F.max_pool1d(h, layer.kernel, layer.stride)
             elif isinstance(layer, Relu):
                 h = torch.relu(h)
             elif isinstance(layer, LayerNorm | GroupNorm):

@@ -19,6 +19,7 @@ from edge_sdk.model import (
     AvgPool2d,
     Conv1d,
     Conv2d,
+    Embedding,
     Flatten,
     Gelu,
     GlobalAvgPool,
@@ -27,6 +28,7 @@ from edge_sdk.model import (
     LayerNorm,
     LeakyRelu,
     Linear,
+    MaxPool1d,
     MaxPool2d,
     ModelSpec,
     Relu,
@@ -40,15 +42,19 @@ def build_module(spec: ModelSpec, params: Sequence[np.ndarray] | None = None) ->
     """An ``nn.Sequential`` equal to ``spec``; loads ``params`` (graph order) when given."""
     mods: list[nn.Module] = []
     for layer in spec.layers:
-        if isinstance(layer, Linear):
+        if isinstance(layer, Embedding):
+            mods.append(nn.Embedding(layer.num_embeddings, layer.embedding_dim))
+        elif isinstance(layer, Linear):
             mods.append(nn.Linear(layer.in_features, layer.out_features))
         elif isinstance(layer, Conv2d | Conv1d):
             cls = nn.Conv2d if isinstance(layer, Conv2d) else nn.Conv1d
             mods.append(cls(layer.in_channels, layer.out_channels, layer.kernel,
                             stride=layer.stride, padding=layer.padding,
-                            dilation=layer.dilation))
+                            dilation=layer.dilation, groups=layer.groups))
         elif isinstance(layer, MaxPool2d):
-            mods.append(nn.MaxPool2d(layer.kernel))
+            mods.append(nn.MaxPool2d(layer.kernel, layer.stride))
+        elif isinstance(layer, MaxPool1d):
+            mods.append(nn.MaxPool1d(layer.kernel, layer.stride))
         elif isinstance(layer, Relu):
             mods.append(nn.ReLU())
         elif isinstance(layer, Flatten):
@@ -94,10 +100,12 @@ def load_params(module: nn.Module, params: Sequence[np.ndarray]) -> None:
 
 
 _SUPPORTED = (
-    "Linear, Conv2d/Conv1d (with bias; square kernel, same stride, numeric zero padding and "
-    "dilation on both axes; no groups), MaxPool2d(2), AvgPool2d/AvgPool1d (square, no padding, "
-    "floor mode), AdaptiveAvgPool2d(1)/AdaptiveAvgPool1d(1), ReLU, Tanh, Sigmoid, GELU, LeakyReLU, "
-    "Hardswish, LayerNorm/GroupNorm (affine, with bias), Flatten"
+    "Embedding (first layer; no padding_idx, max_norm or scale_grad_by_freq), Linear, "
+    "Conv2d/Conv1d (with bias; square kernel, same stride, numeric zero padding and "
+    "dilation on both axes; any groups), MaxPool2d/MaxPool1d and AvgPool2d/AvgPool1d (square, "
+    "no padding, floor mode; max pools undilated), AdaptiveAvgPool2d(1)/AdaptiveAvgPool1d(1), "
+    "ReLU, Tanh, Sigmoid, GELU, LeakyReLU, Hardswish, LayerNorm/GroupNorm (affine, with bias), "
+    "Flatten"
 )
 
 
@@ -107,7 +115,7 @@ def _one(value: int | tuple[int, ...]) -> int:
 
 
 def _pool_plain(mod: nn.Module) -> bool:
-    """An average pool the spec can say: square, no padding, floor mode, no divisor."""
+    """A pool the spec can say: square, no padding, floor mode, no divisor (average)."""
     same = all(isinstance(v, int) or len(set(v)) == 1 for v in (mod.kernel_size, mod.stride))
     return (same and _one(mod.padding) == 0 and len(set(np.atleast_1d(mod.padding).tolist())) == 1
             and not mod.ceil_mode and getattr(mod, "divisor_override", None) is None)
@@ -124,20 +132,26 @@ def spec_from_module(
     layers: list = []
     for i, mod in enumerate(module):
         kind = type(mod).__name__
-        if isinstance(mod, nn.Linear) and mod.bias is not None:
+        if (isinstance(mod, nn.Embedding) and mod.padding_idx is None and mod.max_norm is None
+                and not mod.scale_grad_by_freq):
+            layers.append(Embedding(num_embeddings=mod.num_embeddings,
+                                    embedding_dim=mod.embedding_dim))
+        elif isinstance(mod, nn.Linear) and mod.bias is not None:
             layers.append(Linear(in_features=mod.in_features, out_features=mod.out_features))
         elif (isinstance(mod, nn.Conv2d | nn.Conv1d) and mod.bias is not None
               and len(set(mod.kernel_size)) == 1 and len(set(mod.stride)) == 1
               and isinstance(mod.padding, tuple) and len(set(mod.padding)) == 1
-              and len(set(mod.dilation)) == 1 and mod.groups == 1
-              and mod.padding_mode == "zeros"):
+              and len(set(mod.dilation)) == 1 and mod.padding_mode == "zeros"):
             cls = Conv2d if isinstance(mod, nn.Conv2d) else Conv1d
             layers.append(cls(in_channels=mod.in_channels, out_channels=mod.out_channels,
                               kernel=mod.kernel_size[0], stride=mod.stride[0],
-                              padding=mod.padding[0], dilation=mod.dilation[0]))
-        elif (isinstance(mod, nn.MaxPool2d) and mod.kernel_size in (2, (2, 2))
-              and mod.stride in (2, (2, 2)) and mod.padding in (0, (0, 0))):
-            layers.append(MaxPool2d())
+                              padding=mod.padding[0], dilation=mod.dilation[0],
+                              groups=mod.groups))
+        elif (isinstance(mod, nn.MaxPool2d | nn.MaxPool1d) and _pool_plain(mod)
+              and _one(mod.dilation) == 1 and len(set(np.atleast_1d(mod.dilation))) == 1
+              and not mod.return_indices):
+            cls = MaxPool2d if isinstance(mod, nn.MaxPool2d) else MaxPool1d
+            layers.append(cls(kernel=_one(mod.kernel_size), stride=_one(mod.stride)))
         elif isinstance(mod, nn.ReLU):
             layers.append(Relu())
         elif isinstance(mod, nn.Flatten):

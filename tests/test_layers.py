@@ -71,7 +71,10 @@ def _torch_per_sample(spec: ModelSpec, params, x, y, dtype=torch.float32) -> np.
 
 
 def _batch(spec: ModelSpec, b: int, rng: np.random.Generator):
-    x = (2.0 * rng.standard_normal((b, *spec.input_shape))).astype(np.float32)
+    if spec.input_dtype == "int64":  # ids for a leading Embedding, repeats likely
+        x = rng.integers(0, spec.layers[0].num_embeddings, (b, *spec.input_shape))
+    else:
+        x = (2.0 * rng.standard_normal((b, *spec.input_shape))).astype(np.float32)
     return x, rng.integers(0, spec.num_classes, b)
 
 
@@ -351,7 +354,7 @@ def test_conv_modules_export_and_the_rest_is_named() -> None:
                                              nn.Linear(2 * 13 * 13, 3)), (1, 28, 28), 3)
     assert strided.layers[0] == Conv2d(in_channels=1, out_channels=2, kernel=3, stride=2,
                                        padding=1, dilation=2)
-    for bad in (nn.Conv2d(4, 4, 3, groups=2), nn.Conv2d(1, 4, (3, 5)),
+    for bad in (nn.Conv2d(4, 4, 3, padding_mode="reflect"), nn.Conv2d(1, 4, (3, 5)),
                 nn.Conv2d(1, 4, 3, stride=(1, 2)), nn.Conv2d(1, 4, 3, padding="same"),
                 nn.Conv2d(1, 4, 3, bias=False)):
         with pytest.raises(UnsupportedLayer, match=r"layer 0 \(Conv2d"):
@@ -361,6 +364,109 @@ def test_conv_modules_export_and_the_rest_is_named() -> None:
     with pytest.raises(ValueError, match=r"kernel 5 \(dilation 2, padding 0\) larger"):
         ModelSpec(name="x", input_shape=(1, 8), num_classes=2, layers=(
             Conv1d(in_channels=1, out_channels=2, kernel=5, dilation=2),))
+
+
+# --- 2b. grouped and depthwise-separable convolutions -----------------------------------
+
+def _grouped_spec(cls, groups: int, per_in: int, mult: int, c2: int, spatial: tuple[int, ...],
+                  geom, groups2: int, act, classes: int) -> ModelSpec | None:
+    """grouped conv (groups x per_in -> groups x mult channels) -> act -> conv with groups2
+    (1x1 when groups2 = 1: depthwise-separable when per_in = 1) -> flatten -> linear."""
+    from edge_sdk.model import _out_shape
+
+    c0, c1 = groups * per_in, groups * mult
+    if c1 % groups2:
+        return None
+    first = cls(in_channels=c0, out_channels=c1, groups=groups, **geom)
+    second = cls(in_channels=c1, out_channels=c2 * groups2, kernel=1, groups=groups2)
+    try:
+        shape = _out_shape(second, _out_shape(first, (c0, *spatial), 0), 2)
+    except ValueError:
+        return None
+    n = int(np.prod(shape))
+    return ModelSpec(name="grouped", input_shape=(c0, *spatial), num_classes=classes, layers=(
+        first, act, second, Flatten(), Linear(in_features=n, out_features=classes)))
+
+
+@HYPO
+@given(dims=st.sampled_from([1, 2]), groups=st.integers(1, 4), per_in=st.integers(1, 2),
+       mult=st.integers(1, 3), c2=st.integers(1, 3), groups2=st.integers(1, 3),
+       spatial=st.tuples(st.integers(1, 9), st.integers(1, 9)), geom=GEOM, act=ACTS,
+       b=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_grouped_convs_match_torch_func(dims, groups, per_in, mult, c2, groups2, spatial, geom,
+                                        act, b, seed) -> None:
+    from hypothesis import assume
+
+    from edge_sdk.model import Conv1d, Conv2d
+
+    cls = Conv2d if dims == 2 else Conv1d
+    spec = _grouped_spec(cls, groups, per_in, mult, c2, spatial[:dims], geom, groups2, act, 3)
+    assume(spec is not None)
+    check_against_torch_func(spec, both(spec), b=b, seed=seed)
+
+
+def _ds_cnn(dims: int) -> ModelSpec:
+    """A DS-CNN in the style of "Hello Edge" (Zhang et al. 2017): a strided conv, then
+    depthwise (groups = channels) + pointwise (1x1) blocks, global average pooling."""
+    from edge_sdk.model import Conv1d, Conv2d, GlobalAvgPool, Relu
+
+    conv = Conv2d if dims == 2 else Conv1d
+    spatial = (10, 8) if dims == 2 else (24,)
+    return ModelSpec(name=f"dscnn{dims}d", input_shape=(1, *spatial), num_classes=4, layers=(
+        conv(in_channels=1, out_channels=6, kernel=3, stride=2, padding=1), Relu(),
+        conv(in_channels=6, out_channels=6, kernel=3, padding=1, groups=6), Relu(),
+        conv(in_channels=6, out_channels=8, kernel=1), Relu(),
+        conv(in_channels=8, out_channels=8, kernel=3, padding=2, dilation=2, groups=8),
+        Relu(), conv(in_channels=8, out_channels=8, kernel=1, groups=2), Relu(),
+        GlobalAvgPool(dims=dims), Flatten(), Linear(in_features=8, out_features=4)))
+
+
+DS_MODELS = {"dscnn2d": _ds_cnn(2), "dscnn1d": _ds_cnn(1)}
+
+
+@pytest.mark.parametrize("which", sorted(DS_MODELS))
+def test_ds_cnn_numpy_and_graph_match_torch_func(which: str) -> None:
+    spec = DS_MODELS[which]
+    for b in (1, 7):
+        check_against_torch_func(spec, both(spec), b=b, seed=b)
+
+
+def test_ds_cnn_onnx_graphs_match_torch_func_and_opacus(exported, monkeypatch) -> None:
+    spec = DS_MODELS["dscnn2d"]
+    engine = exported(spec)
+    for b in (1, 9):
+        check_against_torch_func(spec, (engine,), b=b, seed=b)
+    check_opacus_step(spec, engine, monkeypatch)
+
+
+@pytest.mark.slow  # the 2-D DS-CNN runs by default
+def test_ds_cnn_1d_onnx_graphs_match_torch_func_and_opacus(exported, monkeypatch) -> None:
+    spec = DS_MODELS["dscnn1d"]
+    engine = exported(spec)
+    for b in (1, 9):
+        check_against_torch_func(spec, (engine,), b=b, seed=b)
+    check_opacus_step(spec, engine, monkeypatch)
+
+
+def test_grouped_conv_modules_export_and_bad_groups_are_named() -> None:
+    from torch import nn
+
+    from edge_sdk.model import Conv1d, Conv2d
+
+    module = nn.Sequential(nn.Conv1d(4, 8, 3, groups=4), nn.ReLU(), nn.Conv1d(8, 6, 1),
+                           nn.Flatten(), nn.Linear(6 * 8, 2))
+    spec = spec_from_module(module, (4, 10), 2)
+    assert spec.layers[0] == Conv1d(in_channels=4, out_channels=8, kernel=3, groups=4)
+    assert spec.param_shapes()[0] == ("l0.weight", (8, 1, 3))
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+    image = spec_from_module(nn.Sequential(nn.Conv2d(6, 6, 3, groups=3), nn.Flatten(),
+                                           nn.Linear(6 * 4 * 4, 3)), (6, 6, 6), 3)
+    assert image.layers[0] == Conv2d(in_channels=6, out_channels=6, kernel=3, groups=3)
+    assert image.param_shapes()[0] == ("l0.weight", (6, 2, 3, 3))
+    with pytest.raises(ValueError, match="groups must divide in_channels and out_channels"):
+        Conv2d(in_channels=4, out_channels=6, kernel=3, groups=4)
+    with pytest.raises(ValueError, match="groups must be an int >= 1"):
+        Conv1d(in_channels=4, out_channels=4, kernel=3, groups=0)
 
 
 # --- 3. average pooling and global average pooling ------------------------------------------
@@ -452,6 +558,113 @@ def test_pool_modules_export_and_the_rest_is_named() -> None:
             spec_from_module(nn.Sequential(bad), (1, 8, 8), 3)
     with pytest.raises(ValueError, match=r"dims=2\) expects a rank-3"):
         ModelSpec(name="x", input_shape=(2, 8), num_classes=2, layers=(GlobalAvgPool(),))
+
+
+# --- 3b. max pooling of any kernel and stride ------------------------------------------
+
+def _max_spec(dims: int, c: tuple[int, int], spatial: tuple[int, ...], k: int, s: int,
+              act, classes: int) -> ModelSpec | None:
+    """conv -> act -> maxpool(k, s) -> flatten -> linear, or None if the shapes do not fit."""
+    from edge_sdk.model import Conv1d, Conv2d, MaxPool1d, MaxPool2d, _out_shape
+
+    conv, pool = (Conv2d, MaxPool2d) if dims == 2 else (Conv1d, MaxPool1d)
+    layers = [conv(in_channels=c[0], out_channels=c[1], kernel=2, padding=1), act,
+              pool(kernel=k, stride=s)]
+    shape = (c[0], *spatial)
+    try:
+        for i, layer in enumerate(layers):
+            shape = _out_shape(layer, shape, i)
+    except ValueError:
+        return None
+    layers += [Flatten(), Linear(in_features=int(np.prod(shape)), out_features=classes)]
+    return ModelSpec(name="maxpool", input_shape=(c[0], *spatial), num_classes=classes,
+                     layers=tuple(layers))
+
+
+@HYPO
+@given(dims=st.sampled_from([1, 2]), c=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+       spatial=st.tuples(st.integers(1, 10), st.integers(1, 10)), k=st.integers(1, 4),
+       s=st.integers(1, 4), act=ACTS, b=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_max_pooling_matches_torch_func(dims, c, spatial, k, s, act, b, seed) -> None:
+    from hypothesis import assume
+
+    spec = _max_spec(dims, c, spatial[:dims], k, s, act, 3)
+    assume(spec is not None)
+    check_against_torch_func(spec, both(spec), b=b, seed=seed)
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+@pytest.mark.parametrize("k,s", [(2, 2), (3, 1), (3, 2), (2, 3)])
+def test_max_pool_ties_follow_torch(dims: int, k: int, s: int) -> None:
+    """A 1x1 conv with integer weights over integer inputs gives exact integer outputs, so most
+    windows hold tied maxima (overlapping windows too): the conv's per-sample gradients show
+    that each window's gradient goes to the input torch sends it to."""
+    from edge_sdk.model import Conv1d, Conv2d, MaxPool1d, MaxPool2d, _out_shape
+
+    conv = Conv2d if dims == 2 else Conv1d
+    pool = MaxPool2d(kernel=k, stride=s) if dims == 2 else MaxPool1d(kernel=k, stride=s)
+    spatial = (7, 6) if dims == 2 else (11,)
+    out = _out_shape(pool, (3, *spatial), 1)
+    spec = ModelSpec(name="ties", input_shape=(2, *spatial), num_classes=3, layers=(
+        conv(in_channels=2, out_channels=3, kernel=1), pool, Flatten(),
+        Linear(in_features=int(np.prod(out)), out_features=3)))
+    rng = np.random.default_rng(k * 10 + s)
+    x = rng.integers(-1, 2, size=(6, 2, *spatial)).astype(np.float32)
+    y = rng.integers(0, 3, 6)
+    params = init_params(spec, rng)
+    params[0] = rng.integers(-1, 2, size=params[0].shape).astype(np.float32)
+    check_against_torch_func(spec, both(spec), b=6, seed=0, params=params, x=x, y=y)
+
+
+MAX_MODELS = {
+    "maxpool2d": _max_spec(2, (2, 3), (9, 8), 3, 2, Tanh(), 4),
+    "maxpool1d": _max_spec(1, (3, 4), (17,), 4, 3, Gelu(), 3),
+}
+
+
+def test_max_pool_onnx_graphs_match_torch_func_and_opacus(exported, monkeypatch) -> None:
+    spec = MAX_MODELS["maxpool2d"]
+    engine = exported(spec)
+    for b in (1, 9):
+        check_against_torch_func(spec, (engine,), b=b, seed=b)
+    check_opacus_step(spec, engine, monkeypatch)
+
+
+@pytest.mark.slow  # the 2-D max pool model runs by default
+def test_max_pool_1d_onnx_graphs_match_torch_func_and_opacus(exported, monkeypatch) -> None:
+    spec = MAX_MODELS["maxpool1d"]
+    engine = exported(spec)
+    for b in (1, 9):
+        check_against_torch_func(spec, (engine,), b=b, seed=b)
+    check_opacus_step(spec, engine, monkeypatch)
+
+
+def test_max_pool_modules_export_and_the_rest_is_named() -> None:
+    from torch import nn
+
+    from edge_sdk.model import MaxPool1d, MaxPool2d
+
+    module = nn.Sequential(nn.Conv1d(3, 4, 3), nn.ReLU(), nn.MaxPool1d(3, stride=2),
+                           nn.Flatten(), nn.Linear(4 * 8, 2))
+    spec = spec_from_module(module, (3, 20), 2)
+    assert spec.layers[2] == MaxPool1d(kernel=3, stride=2)
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+    image = spec_from_module(nn.Sequential(nn.MaxPool2d(3), nn.Flatten(), nn.Linear(8, 3)),
+                             (2, 7, 6), 3)
+    assert image.layers[0] == MaxPool2d(kernel=3, stride=3)
+    # the zoo's manifests keep their form: a 2x2 pool is written without a stride
+    assert {"kind": "maxpool2d", "kernel": 2} in ModelSpec(
+        name="z", input_shape=(1, 4, 4), num_classes=4,
+        layers=(MaxPool2d(), Flatten())).to_dict()["layers"]
+    for bad in (nn.MaxPool2d(2, padding=1), nn.MaxPool2d(2, ceil_mode=True),
+                nn.MaxPool2d((2, 3)), nn.MaxPool2d(2, dilation=2),
+                nn.MaxPool2d(2, return_indices=True)):
+        with pytest.raises(UnsupportedLayer, match=r"layer 0 \(MaxPool2d"):
+            spec_from_module(nn.Sequential(bad), (1, 8, 8), 3)
+    with pytest.raises(ValueError, match="MaxPool1d stride must be an int >= 1"):
+        MaxPool1d(kernel=2, stride=0)
+    with pytest.raises(ValueError, match=r"kernel 5 larger than input"):
+        ModelSpec(name="x", input_shape=(1, 4), num_classes=2, layers=(MaxPool1d(kernel=5),))
 
 
 # --- 4. LayerNorm / GroupNorm; BatchNorm refused --------------------------------------------
@@ -618,3 +831,87 @@ def test_every_new_kind_onnx_graphs_match_torch_func_and_opacus(exported, which:
         check_against_torch_func(spec, (engine, NumpyEngine(spec)), b=b, seed=b,
                                  params=params, x=x, y=y)
     check_opacus_step(spec, engine, monkeypatch)
+
+
+# --- 5. Embedding: integer ids in, per-sample gradient rows of the table --------------------
+
+def _embed_spec(rows: int, dim: int, length: int, tail: str, act, classes: int) -> ModelSpec:
+    """Embedding -> (act | LayerNorm | Conv1d over the ids as channels | nothing) -> flatten
+    -> linear."""
+    from edge_sdk.model import Conv1d, Embedding, LayerNorm
+
+    mid: list = {"act": [act], "layernorm": [LayerNorm(normalized_shape=(dim,)), act],
+                 "conv": [Conv1d(in_channels=length, out_channels=2, kernel=1), act],
+                 "none": []}[tail]
+    width = 2 * dim if tail == "conv" else length * dim
+    return ModelSpec(name="embed", input_shape=(length,), num_classes=classes, layers=(
+        Embedding(num_embeddings=rows, embedding_dim=dim), *mid, Flatten(),
+        Linear(in_features=width, out_features=classes)))
+
+
+@HYPO
+@given(rows=st.integers(1, 6), dim=st.integers(1, 4), length=st.integers(1, 5),
+       tail=st.sampled_from(["act", "layernorm", "conv", "none"]), act=ACTS,
+       b=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_embedding_matches_torch_func(rows, dim, length, tail, act, b, seed) -> None:
+    spec = _embed_spec(rows, dim, length, tail, act, 3)
+    rng = np.random.default_rng(seed)
+    params = _perturbed(spec, rng)
+    x, y = _batch(spec, b, rng)
+    check_against_torch_func(spec, both(spec), b=b, seed=seed, params=params, x=x, y=y)
+
+
+EMBED_MODEL = _embed_spec(7, 3, 5, "layernorm", Gelu(), 4)
+
+
+def test_embedding_onnx_graphs_match_torch_func_and_opacus(exported, monkeypatch) -> None:
+    spec = EMBED_MODEL
+    engine = exported(spec)
+    for b in (1, 9):
+        rng = np.random.default_rng(b)
+        params = _perturbed(spec, rng)
+        x, y = _batch(spec, b, rng)
+        check_against_torch_func(spec, (engine,), b=b, seed=b, params=params, x=x, y=y)
+    check_opacus_step(spec, engine, monkeypatch)
+
+
+def test_embedding_manifest_declares_integer_input_and_bad_ids_are_refused(tmp_path) -> None:
+    import json
+
+    from torch import nn
+
+    from edge_sdk.model import Embedding
+
+    spec = EMBED_MODEL
+    assert spec.input_dtype == "int64" and ALL_MODELS["seq"].input_dtype == "float32"
+    path = export_variant(spec, tmp_path)
+    manifest = json.loads(path.read_text())
+    assert manifest["input_dtype"] == "int64"
+    engine = load_engine(path)
+    params = init_params(spec, np.random.default_rng(0))
+    y = np.zeros(2, dtype=np.int64)
+    for eng in (engine, NumpyEngine(spec)):
+        with pytest.raises(ValueError, match="reads integer ids.*dtype float32"):
+            eng.clipped_grad_sum(params, np.zeros((2, 5), np.float32), y, 1.0)
+        with pytest.raises(ValueError, match=r"ids must be in \[0, 7\).*got 0\.\.7"):
+            eng.logits(params, np.array([[0, 1, 2, 3, 7]] * 2))
+        assert eng.logits(params, np.array([[0, 1, 2, 3, 6]] * 2, dtype=np.int32)).shape == (2, 4)
+    del manifest["input_dtype"]
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="input_dtype 'float32' does not match.*'int64'"):
+        load_engine(path)
+    module = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 2))
+    got = spec_from_module(module, (3,), 2)
+    assert got.layers[0] == Embedding(num_embeddings=10, embedding_dim=4)
+    assert got.param_shapes()[0] == ("l0.weight", (10, 4))
+    assert ModelSpec.from_dict(got.to_dict()) == got
+    for bad in (nn.Embedding(10, 4, padding_idx=0), nn.Embedding(10, 4, max_norm=1.0),
+                nn.Embedding(10, 4, scale_grad_by_freq=True)):
+        with pytest.raises(UnsupportedLayer, match=r"layer 0 \(Embedding"):
+            spec_from_module(nn.Sequential(bad), (3,), 2)
+    with pytest.raises(UnsupportedLayer, match="must be the first layer"):
+        ModelSpec(name="x", input_shape=(3,), num_classes=2, layers=(
+            Linear(in_features=3, out_features=3),
+            Embedding(num_embeddings=3, embedding_dim=2)))
+    with pytest.raises(ValueError, match="embedding_dim must be an int >= 1"):
+        Embedding(num_embeddings=3, embedding_dim=0)
