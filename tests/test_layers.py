@@ -34,7 +34,9 @@ from models.zoo import build_module, spec_from_module
 
 pytestmark = pytest.mark.reference
 
-HYPO = settings(max_examples=20, deadline=None,
+# derandomize: the same 20 examples on every run, so the default suite is deterministic (a
+# point found by a random run is pinned with @example where it matters)
+HYPO = settings(max_examples=20, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
@@ -176,7 +178,7 @@ def both(spec: ModelSpec) -> tuple:
 ACTS = st.one_of(
     st.builds(Tanh), st.builds(Sigmoid), st.builds(Hardswish),
     st.sampled_from(["none", "tanh"]).map(lambda a: Gelu(approximate=a)),
-    st.floats(0.0, 0.5).map(lambda s: LeakyRelu(negative_slope=s)),
+    st.floats(0.0, 0.5, width=32).map(lambda s: LeakyRelu(negative_slope=s)),
 )
 
 
