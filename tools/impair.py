@@ -299,28 +299,65 @@ class Link:
         self.impairment = impairment
         self.seed = seed
         self.stats = LinkStats()
-        self._server: asyncio.base_events.Server | None = None
+        self._listener: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._retry: asyncio.TimerHandle | None = None
         self._conns: set[asyncio.Task[None]] = set()
         self._next = 0
         self.address: tuple[str, int] = listen
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._accept, *self.listen,
-                                                  reuse_address=True)
-        host, port = self._server.sockets[0].getsockname()[:2]
+        # An accept loop of our own rather than asyncio.start_server: with Python 3.11's
+        # server, a connection accepted just before Server.close() is handed to a task
+        # that then fails (Server._attach asserts the server is open) and leaves the
+        # accepted socket for the garbage collector, whose ResourceWarning then fails
+        # whatever test is running when it is collected. Here every accepted socket is
+        # owned by a tracked task from the accept on.
+        self._listener = socket.create_server(self.listen, reuse_port=False)
+        self._listener.setblocking(False)
+        host, port = self._listener.getsockname()[:2]
         self.address = (host, port)
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._listener.fileno(), self._on_readable)
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _on_readable(self) -> None:
+        # Accepted synchronously, in the reader callback, so no socket ever sits in a
+        # future that a cancellation could drop.
+        assert self._listener is not None and self._loop is not None
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # e.g. out of file descriptors: back off, keep the others
+                self._loop.remove_reader(self._listener.fileno())
+                self._retry = self._loop.call_later(0.1, self._resume)
+                return
+            conn.setblocking(False)
+            self._accepted(conn)
+
+    def _resume(self) -> None:
+        if self._loop is not None and self._listener is not None and self._listener.fileno() >= 0:
+            self._loop.add_reader(self._listener.fileno(), self._on_readable)
+
+    def _accepted(self, conn: socket.socket) -> None:
         index = self._next
         self._next += 1
         self.stats.connections += 1
-        task = asyncio.current_task()
-        assert task is not None
+        task = asyncio.get_running_loop().create_task(self._serve(index, conn))
         self._conns.add(task)
-        try:
-            await _Conn(self, index, (reader, writer)).run()
-        finally:
-            self._conns.discard(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._conns.discard(t)
+            # Every path through _serve has aborted the transport by now; this closes the
+            # socket of a task cancelled before it made one (a no-op otherwise).
+            conn.close()
+
+        task.add_done_callback(done)
+
+    async def _serve(self, index: int, conn: socket.socket) -> None:
+        reader, writer = await asyncio.open_connection(sock=conn)
+        await _Conn(self, index, (reader, writer)).run()
 
     async def reset_all(self) -> int:
         """Reset every open connection now (a link outage); returns how many."""
@@ -328,13 +365,16 @@ class Link:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)  # each aborts its sockets
+        await asyncio.sleep(0)  # the aborts close their sockets on the next iteration
         self.stats.resets += len(tasks)
         return len(tasks)
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        if self._retry is not None:
+            self._retry.cancel()
+        if self._listener is not None and self._listener.fileno() >= 0:
+            asyncio.get_running_loop().remove_reader(self._listener.fileno())
+            self._listener.close()
         await self.reset_all()
 
 
@@ -361,14 +401,32 @@ class ProxyThread:
         return int(self._call(link.reset_all()))  # type: ignore[call-overload]
 
     def close(self) -> None:
+        """Close every link, then every task and transport left on the loop, then the loop.
+
+        Every socket is closed before this returns: one left to the garbage collector
+        would surface as a ResourceWarning in whatever test runs when it is collected."""
         if not self._loop.is_running():
             return
-        for link in self.links:
-            with contextlib.suppress(Exception):
-                self._call(link.close(), timeout=10.0)
+        with contextlib.suppress(Exception):
+            self._call(self._shutdown(), timeout=20.0)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10.0)
-        self._loop.close()
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    async def _shutdown(self) -> None:
+        for link in self.links:
+            with contextlib.suppress(Exception):
+                await link.close()
+        me = asyncio.current_task()
+        rest = [t for t in asyncio.all_tasks() if t is not me]
+        for t in rest:
+            t.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
+        # transport.abort() closes its socket in a callback scheduled for the next loop
+        # iteration; let those callbacks run before the loop stops
+        for _ in range(3):
+            await asyncio.sleep(0)
 
     def __enter__(self) -> ProxyThread:
         return self
