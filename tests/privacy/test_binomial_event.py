@@ -255,3 +255,42 @@ def test_budget_refuses_the_round_that_would_exceed() -> None:
     with pytest.raises(BudgetExhausted):
         book.reserve(_plan(2, ev))
     assert book.spent().local_epsilon == one
+
+
+@pytest.mark.slow
+def test_never_below_the_pld_at_the_experiments_defaults() -> None:
+    # N = 4096, 127 levels, d = 650 (the code's sensitivities: D2 = 279.5, Dinf = 255):
+    # vectors at the edge of the box over 1 and 3 rounds, and mixed with a Gaussian event,
+    # against dp_accounting's pessimistic PLD (an upper bound on the true delta).
+    from dp_accounting.pld import privacy_loss_distribution as dp_pld
+
+    n, delta = 4096, 1e-5
+    ev = CpsgdBinomial(trials=n, grid=1 / 127, dim=650, update_clip=1.0,
+                       sample_rate=1.0).event(adjacency="zero_out")
+    lp = log_pmf(n)
+    cache: dict[int, object] = {}
+
+    def one(k: int):
+        if k not in cache:
+            cache[k] = dp_pld.from_two_probability_mass_functions(
+                {i: float(lp[i]) for i in range(n + 1)},
+                {i + k: float(lp[i]) for i in range(n + 1)},
+                pessimistic_estimate=True, value_discretization_interval=1e-3)
+        return cache[k]
+
+    z = 2.0
+    gauss = dp_pld.from_gaussian_mechanism(z, sensitivity=1.0, pessimistic_estimate=True,
+                                           value_discretization_interval=1e-3)
+    for vec in ([255, 114], [51] * 30):
+        v = np.array(vec, dtype=float)
+        assert np.linalg.norm(v) <= ev.l2_sensitivity and v.max() <= ev.linf_sensitivity
+        release = one(vec[0])
+        for k in vec[1:]:
+            release = release.compose(one(k))
+        three = release.compose(release).compose(release)
+        for pld, events in ((release, [ev]), (three, [ev] * 3),
+                            (three.compose(gauss),
+                             [ev] * 3 + [Gaussian(noise_multiplier=z, adjacency="zero_out")])):
+            ours = epsilon_rdp(events, delta)
+            assert pld.get_delta_for_epsilon(ours) <= delta, (vec, len(events))
+            assert ours <= 1.1 * pld.get_epsilon_for_delta(delta)  # and tight
