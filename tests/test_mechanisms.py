@@ -636,6 +636,9 @@ def test_binomial_params_travel_in_a_plan_and_are_checked(model) -> None:
         with pytest.raises(ValueError, match=match):
             BinomialRound.from_plan(dataclasses.replace(
                 plan, params=dataclasses.replace(w, **bad)), dim=d)
+    with pytest.raises(ValueError, match="exceeds"):  # a plan cannot make a device compute
+        BinomialRound.from_plan(dataclasses.replace(   # the event for hours
+            plan, params=dataclasses.replace(w, trials=1 << 20, levels=64)), dim=d)
     with pytest.raises(ValueError, match="trials"):  # checked as a receiver checks
         wire.encode(dataclasses.replace(plan, params=dataclasses.replace(w, trials=1)))
     with pytest.raises(ValueError, match="must be a BinomialParams"):

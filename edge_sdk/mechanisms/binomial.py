@@ -61,6 +61,7 @@ from edge_sdk.wire import BinomialParams, RoundPlan
 
 __all__ = [
     "MAX_TRIALS",
+    "MAX_WORK",
     "Binomial",
     "BinomialDevice",
     "BinomialRound",
@@ -72,8 +73,13 @@ __all__ = [
 ]
 
 MAX_TRIALS = 1 << 20
-"""The most coin flips a plan may ask for (the event's moment costs about Dinf x N per
-order on the device, once per setting)."""
+"""The most coin flips a plan may ask for."""
+
+MAX_WORK = 1 << 26
+"""The most (2 levels + 1) x trials a plan may ask for: the event's restricted moment costs
+Dinf x N per order on the device, once per setting (the experiments' defaults, 255 x 4096,
+take about 2.6 s on one core; the largest the privacy review studied, 1023 x 65536, is
+this bound), so a plan cannot make a device compute for hours."""
 
 
 def value_bound(levels: int, trials: int) -> int:
@@ -131,7 +137,8 @@ class BinomialRound:
         update_clip: S, the update's L2 bound (model units, finite, > 0).
         trials: N, even, in [2, :data:`MAX_TRIALS`].
         levels: grid steps per S (the grid is S / levels), >= 1, with 2 levels + 1 < N
-            (else the neighbours' supports can be disjoint).
+            (else the neighbours' supports can be disjoint) and (2 levels + 1) N at most
+            :data:`MAX_WORK`.
         bits: the ring's exponent; at least :func:`ring_bits` of the cohort.
         dim: d, the model's parameter count (every coordinate is summed).
         cohort_size: members of the cohort.
@@ -160,6 +167,9 @@ class BinomialRound:
         if isinstance(lv, bool) or not isinstance(lv, int) or not 1 <= lv or 2 * lv + 1 >= n:
             raise ValueError(f"levels must be an integer >= 1 with 2 levels + 1 < trials = {n} "
                              f"(else the shifted supports can be disjoint), got {lv!r}")
+        if (2 * lv + 1) * n > MAX_WORK:
+            raise ValueError(f"(2 levels + 1) x trials = {(2 * lv + 1) * n} exceeds {MAX_WORK} "
+                             "(the device's cost of the privacy event): use fewer of either")
         need = ring_bits(cohort_size=self.cohort_size, levels=lv, trials=n)
         if not need <= self.bits <= MAX_BITS:
             raise ValueError(f"bits {self.bits}: the sum of {self.cohort_size} binomial uploads "
