@@ -36,7 +36,7 @@ from aggregator.optimizers import OPTIMIZERS, ServerOptimizer
 from edge_sdk import compress, wire
 from edge_sdk.fixedpoint import FixedPoint
 from edge_sdk.hazmat import graph
-from edge_sdk.mechanisms import ServerHalf, ddg, update_noise
+from edge_sdk.mechanisms import ServerHalf, binomial, ddg, update_noise
 from edge_sdk.round import coordinates, has_mechanism, mechanism_round
 from edge_sdk.wire import GaussianParams, RoundPlan
 from edge_sdk.wire.schema import Record
@@ -88,6 +88,12 @@ class RoundPolicy:
             the plan's value bound bites (the plan's value bound and scale follow from
             them; ``value_bound``, ``scale`` and ``sampling`` are not used: the subsample
             is without replacement). z = ``noise_multiplier`` (noise std z S).
+            ``update_clip`` is also ``"binomial"``'s S.
+        trials, levels: ``"binomial"`` only (``edge_sdk.mechanisms.binomial``, cpSGD):
+            N, the even number of coin flips per coordinate, and the grid steps per S
+            (grid S / levels), both required; the plan's bits follow from them and the
+            cohort (``bits``, ``scale``, ``value_bound``, ``sampling``, ``quant_levels``
+            and ``noise_multiplier`` are not used: the noise is the binomial's).
         gamma, wrap_probability, max_local_samples, nominal_samples: ``"ddg"`` only
             (``edge_sdk.mechanisms.ddg``): model units per integer step (> 0), the
             per-round bound on the probability that the sum wraps, and the fleet's public
@@ -129,6 +135,8 @@ class RoundPolicy:
     wrap_probability: float = ddg.WRAP_PROBABILITY
     max_local_samples: int | None = None
     nominal_samples: float | None = None
+    trials: int | None = None
+    levels: int | None = None
     degree: int | None = None
     threshold: int | None = None
     server_opt: str = "fedavg"
@@ -186,8 +194,8 @@ class RoundPolicy:
             self.value_bound, self.cohort_size)
 
     def _check_mechanism_settings(self) -> None:
-        """The update-noise and ddg settings (see the class): each valid on its own, each
-        only with its mechanism, and what the mechanism needs present."""
+        """The update-noise, ddg and binomial settings (see the class): each valid on its
+        own, each only with its mechanisms, and what the mechanism needs present."""
         for name in ("clamp_probability", "wrap_probability"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1):
@@ -200,15 +208,38 @@ class RoundPolicy:
         m = self.max_local_samples
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise ValueError(f"max_local_samples must be None or an integer >= 1, got {m!r}")
-        own = {"update_clip": "update-noise", "gamma": "ddg", "max_local_samples": "ddg",
-               "nominal_samples": "ddg"}
-        for name, mech in own.items():
-            if getattr(self, name) is not None and self.mechanism != mech:
-                raise ValueError(f"{name} is a setting of mechanism {mech!r}, but mechanism "
+        for name in ("trials", "levels"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be None or an integer >= 1, got {v!r}")
+        own = {"update_clip": ("update-noise", "binomial"), "gamma": ("ddg",),
+               "max_local_samples": ("ddg",), "nominal_samples": ("ddg",),
+               "trials": ("binomial",), "levels": ("binomial",)}
+        for name, mechs in own.items():
+            if getattr(self, name) is not None and self.mechanism not in mechs:
+                raise ValueError(f"{name} is a setting of mechanism "
+                                 f"{' and '.join(map(repr, mechs))}, but mechanism "
                                  f"is {self.mechanism!r}: remove {name}")
-        if self.mechanism == "update-noise" and self.sparsity != 1.0:
-            raise ValueError(f"mechanism 'update-noise' is dense: sparsity must be 1, "
+        if self.mechanism in ("update-noise", "binomial") and self.sparsity != 1.0:
+            raise ValueError(f"mechanism {self.mechanism!r} is dense: sparsity must be 1, "
                              f"got {self.sparsity!r}")
+        if self.mechanism == "binomial":
+            if self.quant_levels:
+                raise ValueError(f"mechanism 'binomial' uploads integers, not QSGD: "
+                                 f"quant_levels must be 0, got {self.quant_levels!r}")
+            for name in ("trials", "levels"):
+                if getattr(self, name) is None:
+                    raise ValueError(f"mechanism 'binomial' needs {name} (its noise and grid), "
+                                     "got None")
+            s_bound = (self.steps * self.lr * self.clip if self.update_clip is None
+                       else self.update_clip)
+            if not math.isfinite(s_bound):
+                raise ValueError(f"mechanism 'binomial' needs a finite update_clip S (or a "
+                                 f"finite clip), got {s_bound!r}")
+            binomial.binomial_params(  # the checks a device makes on the plan, now
+                steps=self.steps, batch_size=self.batch_size, lr=float(self.lr),
+                clip=float(self.clip), update_clip=self.update_clip, trials=self.trials,
+                levels=self.levels, cohort_size=self.cohort_size)
         if self.mechanism == "ddg":
             if self.quant_levels:
                 raise ValueError(f"mechanism 'ddg' uploads integers, not QSGD: quant_levels "
@@ -291,10 +322,19 @@ def _ddg(policy: RoundPolicy, dim: int, cohort_size: int) -> tuple[Record, int, 
     return params, length, bits
 
 
+def _binomial(policy: RoundPolicy, dim: int, cohort_size: int) -> tuple[Record, int, int]:
+    assert policy.trials is not None and policy.levels is not None  # __post_init__
+    params, bits = binomial.binomial_params(
+        steps=policy.steps, batch_size=policy.batch_size, lr=float(policy.lr),
+        clip=float(policy.clip), update_clip=policy.update_clip, trials=policy.trials,
+        levels=policy.levels, cohort_size=cohort_size)
+    return params, dim, bits
+
+
 # How the aggregator states each mechanism's public settings for a round: (policy, d, the
 # cohort's size) -> (the plan's params record, the number of values summed, the ring's bits).
 _PUBLIC: dict[str, Callable[[RoundPolicy, int, int], tuple[Record, int, int]]] = {
-    "gaussian": _gaussian, "update-noise": _update_noise, "ddg": _ddg}
+    "gaussian": _gaussian, "update-noise": _update_noise, "ddg": _ddg, "binomial": _binomial}
 
 
 def mechanisms() -> tuple[str, ...]:

@@ -395,7 +395,8 @@ def local_round_binomial(
     Binomial(trials, 1/2) - trials/2 is added to each integer. Its privacy: the event's
     restricted-RDP bound (:meth:`~edge_sdk.privacy.binomial.CpsgdBinomial.epsilon`);
     cpSGD's Theorem 1 only as a labelled paper figure (it can be below the true epsilon).
-    Simulation-only: no device configuration selects it (:mod:`edge_sdk.privacy.binomial`).
+    The device runs it through :mod:`edge_sdk.mechanisms.binomial` (its ledger event
+    :class:`~edge_sdk.privacy.events.Binomial`).
     """
     # Imported here: compress pulls in `cryptography`, which the plain DP-SGD path never needs.
     from edge_sdk.compress import binomial_noise

@@ -1,4 +1,4 @@
-"""tools/fleet.py with mechanisms update-noise and ddg (plan15 G4/G5): the aggregator
+"""tools/fleet.py with mechanisms update-noise, ddg and binomial (plan15 G4-G6): the aggregator
 plans their rounds (``aggregator.round_core``), the devices read the plans, train, reserve
 their ledgers and upload through SecAgg+ with dropouts, and the sums are the survivors'
 inputs bit for bit; each device's ledger holds the mechanism's event."""
@@ -15,9 +15,11 @@ import pytest
 from test_fleet import BASE, _assert_clean_rounds
 
 from aggregator.round_core import mechanism_params
-from edge_sdk.mechanisms import ddg, update_noise
+from edge_sdk.ledger.accounting import epsilon_rdp
+from edge_sdk.mechanisms import binomial, ddg, update_noise
+from edge_sdk.privacy.binomial import CpsgdBinomial
 from edge_sdk.privacy.events import DistributedDiscreteGaussian, SampledWithoutReplacementGaussian
-from edge_sdk.wire import DdgParams, UpdateNoiseParams
+from edge_sdk.wire import BinomialParams, DdgParams, UpdateNoiseParams
 from tools.cli import main
 from tools.fleet import FLEET_NAME, Fleet
 from tools.simconfig import DDG_SCALE, SimConfig
@@ -25,7 +27,10 @@ from tools.simconfig import DDG_SCALE, SimConfig
 # 8 devices, all in every round: min_survivors 4 (the threshold), 1 colluder, so the
 # aggregate view of ddg counts 3 honest shares; 2 of the 8 vanish per round
 SMALL = dict(devices=8, participation=1.0, rounds=3, dropout=0.2)
-SETTINGS = {"update-noise": dict(local_steps=5), "ddg": dict(local_steps=1)}
+SETTINGS = {"update-noise": dict(local_steps=5), "ddg": dict(local_steps=1),
+            # binomial: N = 1024, grid S / 31; a budget its per-round epsilon fits 3 times
+            "binomial": dict(local_steps=5, binomial_trials=1024, quant_levels=31,
+                             budget_epsilon=1e4)}
 
 
 def _fleet(tmp: Path, digits: Any, engine: Any, mechanism: str) -> tuple[Fleet, dict]:
@@ -120,17 +125,56 @@ def test_cli_runs_ddg_on_the_fleet_path(tmp_path) -> None:
     assert 0 < summary["epsilon_aggregate"] < summary["epsilon"]
 
 
-def test_the_fleet_path_refuses_binomial() -> None:
-    with pytest.raises(ValueError, match="binomial is simulation-only"):
-        SimConfig(**{**BASE, "mechanism": "binomial", "devices": 30, "participation": 0.2})
+def test_inproc_fleet_runs_binomial_with_dropouts(tmp_path, digits, engine) -> None:
+    """cpSGD on the devices: integers straight into the ring, exact sums, and each ledger
+    holding the Binomial event (restricted moment + delta0), never cpSGD's Thm 1."""
+    fleet, summary = _fleet(tmp_path, digits, engine, "binomial")
+    _assert_clean_rounds(fleet, summary, 3)  # includes fleet.check_sums(): exact sums
+    assert summary["rounds_completed"] == 3
+    assert all(len(r["dropped"]) == 2 for r in summary["rounds"])
+    assert any(r["survivors"] < 8 for r in summary["rounds"])
+    pol = fleet.policy
+    assert (pol.mechanism, pol.trials, pol.levels, pol.quant_levels) == ("binomial", 1024, 31, 0)
+    d = sum(p.size for p in fleet.initial)
+    params, length, bits = mechanism_params(pol, dim=d, cohort_size=8)
+    s_bound = 5 * 0.5 * 1.0  # E lr C
+    assert params == BinomialParams(steps=5, batch_size=16, lr=0.5, clip=1.0,
+                                    update_clip=s_bound, trials=1024, levels=31)
+    assert length == d and bits == binomial.ring_bits(cohort_size=8, levels=31, trials=1024)
+    assert bits == math.ceil(math.log2(2 * 8 * (31 + 512) + 1)) == 14
+    for o in fleet.outcomes.values():
+        assert o.total is not None and np.any(o.total != 0)
+    assert fleet.machine.model_version == 3
+    want = CpsgdBinomial(trials=1024, grid=s_bound / 31, dim=d, update_clip=s_bound,
+                         sample_rate=1.0).event()
+    for name in fleet.names:
+        reservations = fleet.ledgers[name].reservations()
+        assert [r.plan.round_id for r in reservations] == _reserved_rounds(fleet, summary, name)
+        for r in reservations:
+            assert r.plan.event == r.plan.aggregate_event == want
+        spent = fleet.ledgers[name].spent()
+        assert spent.local_epsilon == epsilon_rdp([want] * len(reservations), spent.delta)
+        assert spent.local_epsilon == want_eps(want, len(reservations), spent.delta)
+    assert 0 < summary["epsilon_aggregate"] == summary["epsilon"] < 1e4
+    json.dumps(summary, allow_nan=False)
+    fleet.close()
+
+
+def want_eps(event, rounds: int, delta: float) -> float:
+    """The simulator's sound figure for ``rounds`` such rounds (CpsgdBinomial.epsilon's
+    formula: moments and delta0 times the rounds, the restricted conversion)."""
+    from edge_sdk.privacy.binomial import BINOMIAL_ORDERS, restricted_rdp_epsilon
+    return restricted_rdp_epsilon(rounds * np.array(event.rho), BINOMIAL_ORDERS,
+                                  rounds * event.delta0, delta)
 
 
 @pytest.mark.broker
-def test_ddg_over_mosquitto_equals_the_inproc_run(tmp_path, digits, engine) -> None:
-    """The same ddg rounds over a real broker: the same survivors and integer sums, bit for
-    bit, the same model and the same ledgers."""
-    ref, ref_summary = _fleet(tmp_path / "inproc", digits, engine, "ddg")
-    cfg = SimConfig(**{**BASE, **SMALL, **SETTINGS["ddg"], "mechanism": "ddg",
+@pytest.mark.parametrize("mechanism", ["ddg", "binomial"])
+def test_over_mosquitto_equals_the_inproc_run(tmp_path, digits, engine, mechanism: str) -> None:
+    """The same ddg or binomial rounds over a real broker: the same survivors and integer
+    sums, bit for bit, the same model and the same ledgers."""
+    ref, ref_summary = _fleet(tmp_path / "inproc", digits, engine, mechanism)
+    cfg = SimConfig(**{**BASE, **SMALL, **SETTINGS[mechanism], "mechanism": mechanism,
                        "transport": "mqtt"})
     net = Fleet(cfg, tmp_path / "mqtt", data=digits, engine=engine)
     net_summary = net.run()

@@ -20,6 +20,7 @@ from edge_sdk.fixedpoint import FixedPoint
 from edge_sdk.hazmat.ring import Ring
 from edge_sdk.mechanisms import (
     MECHANISMS,
+    Binomial,
     Contribution,
     Ddg,
     Gaussian,
@@ -27,6 +28,8 @@ from edge_sdk.mechanisms import (
     UpdateNoise,
     ddg,
 )
+from edge_sdk.mechanisms import binomial as binomial_mech
+from edge_sdk.mechanisms.binomial import BinomialRound, binomial_params
 from edge_sdk.mechanisms.ddg import DdgRound
 from edge_sdk.mechanisms.update_noise import (
     CLAMP_PROBABILITY,
@@ -43,6 +46,7 @@ from edge_sdk.train import (
     LocalTraining,
     TrainingDiverged,
     local_round,
+    local_round_binomial,
     local_round_ddg,
     local_round_update_noise,
     round_event,
@@ -75,7 +79,8 @@ def _shards(digits: Any, n: int, size: int = 60) -> list[tuple[np.ndarray, np.nd
 
 
 def test_registry() -> None:
-    assert dict(MECHANISMS) == {"gaussian": Gaussian, "update-noise": UpdateNoise, "ddg": Ddg}
+    assert dict(MECHANISMS) == {"gaussian": Gaussian, "update-noise": UpdateNoise, "ddg": Ddg,
+                                "binomial": Binomial}
     assert Gaussian.name == "gaussian" and Gaussian.Params is wire.GaussianParams
     # every registered mechanism's params can travel in a plan, and nothing else can
     assert set(wire.MECHANISM_PARAMS) == set(MECHANISMS)
@@ -487,3 +492,181 @@ def test_ddg_public_calibrates_sigma_on_the_honest_shares(model) -> None:
         assert w2.sigma == pytest.approx(2.0 * 1024 / math.sqrt(2)) and bits2 >= bits
     with pytest.raises(ValueError, match="honest"):
         ddg.ddg_public(honest=5, **kw)
+
+
+# ----------------------------------------------------------------------------- binomial
+
+# small N for fast tests (the event's moment costs Dinf x N per order); Dinf = 2 levels + 1
+BINOM = dict(steps=3, batch_size=8, lr=0.5, clip=1.0, update_clip=None, trials=256, levels=15)
+
+
+def _binom_round(d: int, cohort: int, **kw: Any) -> BinomialRound:
+    w, bits = binomial_params(**{**BINOM, **kw}, cohort_size=cohort)
+    return BinomialRound(
+        training=LocalTraining(steps=w.steps, batch_size=w.batch_size, lr=w.lr, clip=w.clip,
+                               noise_multiplier=0.0),
+        update_clip=w.update_clip, trials=w.trials, levels=w.levels, bits=bits, dim=d,
+        cohort_size=cohort)
+
+
+def test_binomial_ring_bits_are_exact_and_cannot_wrap() -> None:
+    # ceil(log2(2 r (levels + N/2) + 1)), e.g. the experiments' defaults at r = 8: 16 bits
+    assert binomial_mech.ring_bits(cohort_size=8, levels=127, trials=4096) == 16
+    for r, lv, n in ((1, 1, 2), (3, 15, 256), (8, 127, 4096), (10, 255, 16384), (5, 1, 6)):
+        bits = binomial_mech.ring_bits(cohort_size=r, levels=lv, trials=n)
+        bound = r * (lv + n // 2)
+        assert 2 ** bits >= 2 * bound + 1 and (bits == 2 or 2 ** (bits - 1) < 2 * bound + 1)
+        assert bits == max(2, math.ceil(math.log2(2 * bound + 1)))
+        # the extreme sums, all members at +bound or all at -bound, read back exactly
+        one = lv + n // 2
+        for sign in (1, -1):
+            res, clamped = binomial_mech.encode(np.full(3, sign * one), levels=lv, trials=n,
+                                                bits=bits)
+            assert clamped == 0
+            total = (res * np.uint64(r)) & np.uint64((1 << bits) - 1)
+            assert np.array_equal(Ring(bits=bits).to_signed(total), np.full(3, sign * bound))
+    # beyond the bound (a float hair above S): clamped, counted; post-processing only
+    res, clamped = binomial_mech.encode(np.array([17 + 128, -(17 + 128), 3]), levels=15,
+                                        trials=256, bits=12)
+    assert clamped == 2
+    assert list(Ring(bits=12).to_signed(res)) == [143, -143, 3]
+    with pytest.raises(ValueError, match="more than 62"):
+        binomial_mech.ring_bits(cohort_size=1 << 45, levels=1 << 20, trials=1 << 20)
+
+
+def test_binomial_sum_decodes_to_the_simulators_mean(model, digits) -> None:
+    from tools.simconfig import SimConfig
+
+    _, eng, params, d = model
+    n = 4
+    p = _binom_round(d, n)
+    shards = _shards(digits, n)
+    half = Binomial().device(p)
+    contributions = [half.contribute(params=params, data=shard, engine=eng, coords=None,
+                                     honest=n - 1, rng=np.random.default_rng(200 + i))
+                     for i, shard in enumerate(shards)]
+    total = _plain_sum(contributions, bits=p.bits, length=d)
+    server = Binomial().server(p)
+    delta, _ = server.decode(total, n, server.init(params), coords=None)
+    # the simulator's round (tools/simulate.py, mechanism "binomial", weighting uniform):
+    # local_round_binomial, then the integers times the grid summed in float64, / n
+    sim = SimConfig(dataset="digits", model="logreg", devices=n, participation=1.0,
+                    rounds=1, local_steps=3, batch_size=8, lr=0.5, clip=1.0,
+                    mechanism="binomial", binomial_trials=256, quant_levels=15,
+                    progress=False)
+    acc = np.zeros(d)
+    ints = np.zeros(d, dtype=np.int64)
+    for i, (x, y) in enumerate(shards):
+        res = local_round_binomial(eng, params, x, y, sim.local(), np.random.default_rng(200 + i),
+                                   trials=256, levels=15, update_clip=None)
+        assert res.grid == p.grid == 3 * 0.5 * 1.0 / 15
+        acc += res.integers * res.grid
+        ints += res.integers
+        c = contributions[i]
+        assert c.diagnostics == {"clamped": 0}
+        assert np.array_equal(Ring(bits=p.bits).to_signed(c.values), res.integers)
+        # the events are the simulator's accounting: its restricted moment and delta0
+        rho, delta0 = res.event.restricted_rdp()
+        assert c.event == c.aggregate_event
+        assert c.event.rho == tuple(float(v) for v in rho) and c.event.delta0 == delta0
+        assert c.event.adjacency == "substitution" and c.event.steps == 1
+        assert (c.event, c.aggregate_event) == half.events(m=len(y), honest=n - 1)
+    # the ring sum is the integers' sum exactly (no wrap), and the mean the simulator's up
+    # to float rounding: (sum ints) g / n against sum (ints g) / n, then one float32 cast
+    assert np.array_equal(Ring(bits=p.bits).to_signed(total), ints)
+    mean = acc / n
+    got = flatten_params(delta).astype(np.float64)
+    assert np.abs(got - mean).max() <= float(np.spacing(np.float32(np.abs(mean).max())))
+    assert np.abs(ints * p.grid / n - mean).max() <= 1e-12 * np.abs(mean).max()
+    # all randomness from rng: the same seed again is bit-identical
+    again = half.contribute(params=params, data=shards[0], engine=eng, coords=None,
+                            honest=n - 1, rng=np.random.default_rng(200))
+    assert np.array_equal(again.values, contributions[0].values)
+
+
+def test_binomial_decodes_the_survivors_after_a_dropout(model, digits) -> None:
+    _, eng, params, d = model
+    n = 4
+    p = _binom_round(d, n)
+    contributions = [Binomial().device(p).contribute(
+        params=params, data=shard, engine=eng, coords=None, honest=n - 1,
+        rng=np.random.default_rng(400 + i)) for i, shard in enumerate(_shards(digits, n))]
+    names = [f"d{i}" for i in range(n)]
+    cfg = secagg.RoundConfig.for_cohort(round_id=1, nonce=bytes(32), cohort=names, bits=p.bits,
+                                        length=d)
+    plain = PlainSum.for_config(cfg, vanished={"d1": "masked"})
+    for name in plain.survivors:
+        plain.add(name, contributions[names.index(name)].values)
+    server = Binomial().server(p)
+    delta, _ = server.decode(plain.total(), 3, server.init(params), coords=None)
+    ints = sum(Ring(bits=p.bits).to_signed(contributions[i].values) for i in (0, 2, 3))
+    want = (ints.astype(np.float64) * p.grid / 3).astype(np.float32)
+    assert np.array_equal(flatten_params(delta), want)
+    with pytest.raises(ValueError, match="survivors"):
+        server.decode(plain.total(), 0, server.init(params), coords=None)
+    with pytest.raises(ValueError, match="dense"):
+        server.decode(plain.total(), 3, server.init(params), coords=np.arange(3))
+    with pytest.raises(ValueError, match="dense"):
+        Binomial().device(p).contribute(params=params, data=_shards(digits, 1)[0], engine=eng,
+                                        coords=np.arange(3), honest=1,
+                                        rng=np.random.default_rng(0))
+
+
+def test_binomial_params_travel_in_a_plan_and_are_checked(model) -> None:
+    _, _, _, d = model
+    w, bits = binomial_params(**{**BINOM, "update_clip": 0.4}, cohort_size=5)
+    assert w == wire.BinomialParams(steps=3, batch_size=8, lr=0.5, clip=1.0, update_clip=0.4,
+                                    trials=256, levels=15)
+    assert bits == binomial_mech.ring_bits(cohort_size=5, levels=15, trials=256)
+    plan = _plan("binomial", w, bits=bits, length=d)
+    p = BinomialRound.from_plan(plan, dim=d)
+    assert (p.update_clip, p.trials, p.levels, p.bits, p.dim, p.cohort_size) == (
+        0.4, 256, 15, bits, d, 5)
+    assert p.training == LocalTraining(steps=3, batch_size=8, lr=0.5, clip=1.0,
+                                       noise_multiplier=0.0)
+    # S defaults to E lr C
+    assert binomial_params(**BINOM, cohort_size=5)[0].update_clip == 3 * 0.5 * 1.0
+    with pytest.raises(ValueError, match="length"):
+        BinomialRound.from_plan(plan, dim=d + 1)
+    # a plan whose ring is too narrow for the cohort's sum, or that names odd trials, or a
+    # grid so fine that the neighbours' supports can be disjoint: the device refuses it
+    with pytest.raises(ValueError, match="needs"):
+        BinomialRound.from_plan(dataclasses.replace(plan, bits=bits - 1), dim=d)
+    for bad, match in (({"trials": 255}, "even"), ({"levels": 128}, "2 levels \\+ 1 < trials")):
+        with pytest.raises(ValueError, match=match):
+            BinomialRound.from_plan(dataclasses.replace(
+                plan, params=dataclasses.replace(w, **bad)), dim=d)
+    with pytest.raises(ValueError, match="exceeds"):  # a plan cannot make a device compute
+        BinomialRound.from_plan(dataclasses.replace(   # the event for hours
+            plan, params=dataclasses.replace(w, trials=1 << 20, levels=64)), dim=d)
+    with pytest.raises(ValueError, match="trials"):  # checked as a receiver checks
+        wire.encode(dataclasses.replace(plan, params=dataclasses.replace(w, trials=1)))
+    with pytest.raises(ValueError, match="must be a BinomialParams"):
+        wire.encode(dataclasses.replace(plan, params=wire.DdgParams(
+            clip=1.0, gamma=0.01, sigma=1.0, sparsity=1.0, lr=1.0, nominal_samples=1.0)))
+
+
+def test_binomial_policy_settings() -> None:
+    from aggregator.round_core import RoundPolicy, mechanism_params
+
+    pol = RoundPolicy(fleet="f", cohort_size=5, mechanism="binomial", steps=3, batch_size=8,
+                      lr=0.5, trials=256, levels=15, update_clip=0.4)
+    w, length, bits = mechanism_params(pol, dim=650, cohort_size=5)
+    assert (w, bits) == binomial_params(**{**BINOM, "update_clip": 0.4}, cohort_size=5)
+    assert length == 650
+    with pytest.raises(ValueError, match="needs trials"):
+        RoundPolicy(fleet="f", cohort_size=5, mechanism="binomial", levels=15)
+    with pytest.raises(ValueError, match="needs levels"):
+        RoundPolicy(fleet="f", cohort_size=5, mechanism="binomial", trials=256)
+    with pytest.raises(ValueError, match="trials is a setting of mechanism 'binomial'"):
+        RoundPolicy(fleet="f", cohort_size=5, mechanism="gaussian", trials=256)
+    with pytest.raises(ValueError, match="dense"):
+        RoundPolicy(fleet="f", cohort_size=5, mechanism="binomial", trials=256, levels=15,
+                    sparsity=0.5)
+    with pytest.raises(ValueError, match="2 levels"):
+        RoundPolicy(fleet="f", cohort_size=5, mechanism="binomial", trials=16, levels=8)
+    # update_clip is update-noise's and binomial's
+    RoundPolicy(fleet="f", cohort_size=5, mechanism="update-noise", update_clip=0.4)
+    with pytest.raises(ValueError, match="update_clip is a setting of mechanism"):
+        RoundPolicy(fleet="f", cohort_size=5, mechanism="ddg", update_clip=0.4, gamma=0.01,
+                    max_local_samples=10, nominal_samples=5.0)

@@ -59,10 +59,10 @@ class _Source:
 def test_the_policy_names_its_mechanism_and_refuses_one_it_does_not_have() -> None:
     assert ReExported is RoundPolicy
     assert _policy().mechanism == "gaussian"
-    assert mechanisms() == ("ddg", "gaussian", "update-noise")
+    assert mechanisms() == ("binomial", "ddg", "gaussian", "update-noise")
     assert set(mechanisms()) <= set(MECHANISMS)
     with pytest.raises(ValueError, match=r"mechanism must be one of "
-                       r"\['ddg', 'gaussian', 'update-noise'\].*'ddg-x'"):
+                       r"\['binomial', 'ddg', 'gaussian', 'update-noise'\].*'ddg-x'"):
         _policy(mechanism="ddg-x")
 
 
@@ -244,8 +244,8 @@ DDG = {"mechanism": "ddg", "gamma": 1 / 1024, "max_local_samples": 300,
      "update_clip must be None or finite and > 0, got inf"),
     ({"mechanism": "update-noise", "clamp_probability": 1.0},
      r"clamp_probability must be in \(0, 1\), got 1.0"),
-    ({"update_clip": 1.0}, "update_clip is a setting of mechanism 'update-noise', but "
-                           "mechanism is 'gaussian'"),
+    ({"update_clip": 1.0}, "update_clip is a setting of mechanism 'update-noise' and "
+                           "'binomial', but mechanism is 'gaussian'"),
     ({**DDG, "gamma": None}, "mechanism 'ddg' needs gamma"),
     ({**DDG, "max_local_samples": None}, "mechanism 'ddg' needs max_local_samples"),
     ({**DDG, "nominal_samples": None}, "mechanism 'ddg' needs nominal_samples"),

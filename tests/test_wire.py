@@ -301,7 +301,7 @@ def _mutate(msg: wire.Message, **changes) -> bytes:
     ("plan", {"params": {"clip": float("inf")}}, "clip"),
     ("plan", {"params": {"sparsity": 1.5}}, "sparsity"),
     ("plan", {"params": {"sampling": "x" * 1000}}, "at most 256"),
-    ("plan", {"mechanism": "binomial"}, "field 'mechanism'"),  # simulation-only: no record
+    ("plan", {"mechanism": "laplace"}, "field 'mechanism'"),  # no such mechanism: no record
     ("plan", {"mechanism": "ddg"}, "field 'params'"),  # gaussian's fields under ddg's record
     ("plan", {"threshold": 1}, "secagg parameters"),
     ("plan", {"degree": 1}, "degree"),

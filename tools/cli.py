@@ -118,7 +118,8 @@ def _simulate(args: argparse.Namespace) -> int:
     eps = summary["epsilon"]
     eps_s = "inf (no noise)" if eps is None else f"{eps:.4f} at delta={cfg.delta:g}"
     if summary.get("paper_epsilon") is not None:
-        eps_s += f" (paper's FedPAQ bound: {summary['paper_epsilon']:.4f})"
+        paper = "cpSGD Thm 1, not verified" if cfg.mechanism == "binomial" else "FedPAQ"
+        eps_s += f" (paper's {paper} bound: {summary['paper_epsilon']:.4f})"
     per = summary["bytes_up_per_upload"]
     print(f"final accuracy {summary['final_accuracy']:.4f}, epsilon {eps_s}, "
           f"uploaded {summary['bytes_up_total'] / 2**20:.2f} MiB "

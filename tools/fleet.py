@@ -348,7 +348,9 @@ class Fleet:
             max_rounds=cfg.rounds, mechanism=cfg.mechanism, steps=cfg.local_steps,
             batch_size=cfg.batch_size, lr=cfg.lr, sampling=cfg.sampling, clip=cfg.clip,
             noise_multiplier=cfg.noise_multiplier, sparsity=cfg.sparsity,
-            quant_levels=cfg.quant_levels, value_bound=cfg.value_bound,
+            # binomial's quant_levels are its grid levels (the policy's ``levels``)
+            quant_levels=0 if cfg.mechanism == "binomial" else cfg.quant_levels,
+            value_bound=cfg.value_bound,
             server_opt=cfg.server_opt, server_lr=cfg.server_lr, seed=cfg.seed,
             **_mechanism_settings(cfg, [len(y) for _, y in self.shards.values()]))
         self.initial = init_params(self.spec, init_rng)
@@ -632,9 +634,13 @@ class Fleet:
 def _mechanism_settings(cfg: SimConfig, sizes: list[int]) -> dict[str, Any]:
     """The policy's settings of ``cfg.mechanism`` beyond the shared ones: update-noise's S;
     ddg's gamma (``SimConfig.gamma``, as the fast path) and the
-    fleet's largest and mean shard sizes (public facts of a simulated fleet)."""
+    fleet's largest and mean shard sizes (public facts of a simulated fleet); binomial's S,
+    trials and grid levels (``quant_levels or 127``, as the fast path)."""
     if cfg.mechanism == "update-noise":
         return {"update_clip": cfg.update_clip}
+    if cfg.mechanism == "binomial":
+        return {"update_clip": cfg.update_clip, "trials": cfg.binomial_trials,
+                "levels": cfg.quant_levels or 127}
     if cfg.mechanism == "ddg":
         return {"gamma": cfg.gamma, "max_local_samples": max(sizes),
                 "nominal_samples": float(np.mean(sizes))}

@@ -164,16 +164,15 @@ class SimConfig:
 
     def fleet_checks(self) -> None:
         """Raise ValueError for settings the fleet path (secure aggregation) cannot run."""
-        if self.mechanism not in ("gaussian", "update-noise", "ddg"):
-            raise ValueError(f"secure aggregation runs mechanisms 'gaussian', 'update-noise' "
-                             f"and 'ddg' (binomial is simulation-only), got "
-                             f"{self.mechanism!r}")
+        if self.mechanism not in ("gaussian", "update-noise", "ddg", "binomial"):
+            raise ValueError(f"secure aggregation runs mechanisms 'gaussian', 'update-noise', "
+                             f"'ddg' and 'binomial', got {self.mechanism!r}")
         if self.weighting != "uniform":
             raise ValueError("secure aggregation sums uniformly: weighting must be 'uniform'")
         if not math.isfinite(self.clip):
             raise ValueError("secure aggregation needs a finite clip (the devices' ledgers "
                              "and the fixed-point range depend on it)")
-        if not self.noise_multiplier > 0:
+        if not self.noise_multiplier > 0 and self.mechanism != "binomial":  # its noise: trials
             raise ValueError("the fleet path needs noise_multiplier > 0: a device's ledger "
                              "refuses a release with unbounded epsilon")
         if self.cohort_size < 3:

@@ -46,6 +46,8 @@ from typing import Any, Literal, TypeAlias
 
 from edge_sdk.errors import EdgeError
 from edge_sdk.privacy import (
+    DEFAULT_ORDERS,
+    Binomial,
     Composed,
     DistributedDiscreteGaussian,
     DistributedSkellam,
@@ -96,14 +98,15 @@ ADJACENCY = "zero_out"
 _LEGACY_ADJACENCY = {"Gaussian": "substitution", "PoissonSubsampledGaussian": "add_remove",
                      "SampledWithoutReplacementGaussian": "substitution"}
 # Every kind of the privacy Event union. Kinds are only ever added (the discrete ones and
-# SelfComposed in issue 15, F1), so the store's SCHEMA_VERSION stays 1: older ledgers read
-# unchanged.
+# SelfComposed in issue 15, F1; Binomial in G6), so the store's SCHEMA_VERSION stays 1:
+# older ledgers read unchanged.
 _EVENT_TYPES: dict[str, type] = {
     "Gaussian": Gaussian,
     "PoissonSubsampledGaussian": PoissonSubsampledGaussian,
     "SampledWithoutReplacementGaussian": SampledWithoutReplacementGaussian,
     "DistributedDiscreteGaussian": DistributedDiscreteGaussian,
     "DistributedSkellam": DistributedSkellam,
+    "Binomial": Binomial,
     "Composed": Composed,
     "SelfComposed": SelfComposed,
 }
@@ -291,6 +294,9 @@ class Entry:
 # --------------------------------------------------------------------- event encoding
 
 
+_FLOATS = "tuple[float, ...]"  # a field's declared type: stored as a JSON list of numbers
+
+
 def _canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
                       allow_nan=False).encode("ascii")
@@ -300,8 +306,10 @@ def event_to_json(event: Event) -> dict[str, Any]:
     """The event as plain data, ``{"type": class name, **fields}``, nested for Composed
     (``events``: a list) and SelfComposed (``event``: an object, ``count``: an int).
 
-    Numbers are normalised by the field's declared type (``float`` or ``int``), so the same
-    mechanism always encodes to the same canonical JSON; ``adjacency`` is a string.
+    Numbers are normalised by the field's declared type (``float`` or ``int``; a list of
+    floats for a ``tuple[float, ...]``, as :class:`~edge_sdk.privacy.Binomial`'s orders and
+    moments), so the same mechanism always encodes to the same canonical JSON;
+    ``adjacency`` is a string.
 
     Raises:
         ValueError: not a privacy event this module can store.
@@ -317,6 +325,7 @@ def event_to_json(event: Event) -> dict[str, Any]:
     for f in dataclasses.fields(event):
         value = getattr(event, f.name)
         out[f.name] = (str(value) if f.name == "adjacency"
+                       else [float(x) for x in value] if f.type == _FLOATS
                        else float(value) if f.type == "float" else int(value))
     return out
 
@@ -363,6 +372,10 @@ def event_from_json(data: Any, *, legacy: bool = False) -> Event:
         value = data[name]
         if name == "adjacency":
             ok = isinstance(value, str)
+        elif kind == _FLOATS:
+            ok = isinstance(value, list) and all(
+                isinstance(x, int | float) and not isinstance(x, bool) for x in value)
+            value = tuple(value) if ok else value
         elif kind == "float":
             ok = isinstance(value, int | float)
         else:
@@ -398,17 +411,43 @@ def _leaves(event: Event) -> Iterator[Event]:
         yield event
 
 
+def _orders_for(events: Sequence[Event]) -> tuple[float, ...]:
+    """The RDP orders to compose ``events`` at: the default ones, or, when Binomial events
+    are among them, the orders every Binomial event states its moment at (their common
+    ones, in increasing order).
+
+    Raises:
+        ValueError: Binomial events with no order in common.
+    """
+    common: set[float] | None = None
+    for e in events:
+        for leaf in _leaves(e):
+            if isinstance(leaf, Binomial):
+                common = set(leaf.orders) if common is None else common & set(leaf.orders)
+    if common is None:
+        return DEFAULT_ORDERS
+    if not common:
+        raise ValueError("the Binomial events state their restricted moments at no common "
+                         "order: they cannot be composed")
+    return tuple(sorted(common))
+
+
 def epsilon_rdp(events: Sequence[Event], delta: float) -> float:
     """Epsilon (nats) at ``delta`` of composing ``events`` under zero-out adjacency, by the
     RDP accountant; the ledger's default accountant.
 
     Each event is restated under zero-out (:func:`edge_sdk.privacy.restate`); an event with
-    no sound restatement raises ValueError.
+    no sound restatement raises ValueError. With :class:`~edge_sdk.privacy.Binomial` events
+    (cpSGD) among them, everything is composed at the Binomial events' orders: the RDP
+    curves and restricted moments add, their delta0s add, and epsilon is the restricted
+    conversion at ``delta`` - sum delta0, inf when delta <= sum delta0
+    (:class:`~edge_sdk.privacy.RdpAccountant`; the theorem is in
+    :mod:`edge_sdk.privacy.rdp`).
     """
     events = list(events)
     if not events:
         return 0.0
-    acc = RdpAccountant(adjacency=ADJACENCY)
+    acc = RdpAccountant(orders=_orders_for(events), adjacency=ADJACENCY)
     for event, count in Counter(events).items():  # a device repeats few distinct events
         acc.compose(event, count)
     return acc.get_epsilon(delta)
@@ -416,8 +455,9 @@ def epsilon_rdp(events: Sequence[Event], delta: float) -> float:
 
 def epsilon_pld(events: Sequence[Event], delta: float) -> float:
     """Epsilon (nats) at ``delta`` under zero-out adjacency, by the PLD accountant where it
-    applies (no sampling without replacement, no discrete events), never above the RDP
-    answer (both are upper bounds, so their minimum is one)."""
+    applies (no sampling without replacement, no discrete or Binomial events: those the PLD
+    accountant refuses, and the RDP answer alone is returned), never above the RDP answer
+    (both are upper bounds, so their minimum is one)."""
     events = list(events)
     rdp = epsilon_rdp(events, delta)
     acc = PldAccountant(adjacency=ADJACENCY)

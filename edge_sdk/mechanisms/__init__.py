@@ -10,6 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from edge_sdk.mechanisms.base import Contribution, DeviceHalf, Mechanism, ServerHalf
+from edge_sdk.mechanisms.binomial import (
+    Binomial,
+    BinomialDevice,
+    BinomialRound,
+    BinomialServer,
+)
 from edge_sdk.mechanisms.ddg import Ddg, DdgDevice, DdgRound, DdgServer
 from edge_sdk.mechanisms.gaussian import (
     Gaussian,
@@ -26,6 +32,10 @@ from edge_sdk.mechanisms.update_noise import (
 
 __all__ = [
     "MECHANISMS",
+    "Binomial",
+    "BinomialDevice",
+    "BinomialRound",
+    "BinomialServer",
     "Contribution",
     "Ddg",
     "DdgDevice",
@@ -44,5 +54,5 @@ __all__ = [
     "UpdateNoiseServer",
 ]
 
-MECHANISMS: Mapping[str, type] = {m.name: m for m in (Gaussian, UpdateNoise, Ddg)}
+MECHANISMS: Mapping[str, type] = {m.name: m for m in (Gaussian, UpdateNoise, Ddg, Binomial)}
 """Mechanism name -> class."""

@@ -13,7 +13,9 @@ One :data:`Event` union holds every mechanism, the discrete Gaussian / Skellam n
 secure aggregation's distributed DP adds in the integers included (Kairouz-Liu-Steinke 2021,
 Agarwal-Kairouz-Liu 2021; their RDP bounds in :mod:`edge_sdk.privacy.discrete`). Each
 accountant says which events it interprets (``supports``) and raises
-:class:`UnsupportedEventError` for the others: :class:`RdpAccountant` takes them all.
+:class:`UnsupportedEventError` for the others: :class:`RdpAccountant` takes them all,
+:class:`Binomial` (cpSGD's restricted Renyi moment with an additive delta0,
+:mod:`edge_sdk.privacy.binomial`) at the orders it carries.
 
 :func:`calibrate_noise_multiplier` finds the smallest safe noise for a target. The papers'
 own formulas live in :mod:`edge_sdk.privacy.paper_bounds` (labelled, not re-exported here:
@@ -38,6 +40,7 @@ from edge_sdk.privacy.discrete import (
 from edge_sdk.privacy.events import (
     ADJACENCIES,
     IGNORES_NULL_RECORD,
+    Binomial,
     Composed,
     DiscreteEvent,
     DistributedDiscreteGaussian,
@@ -77,6 +80,7 @@ __all__ = [
     "ADJACENCIES",
     "DEFAULT_ORDERS",
     "IGNORES_NULL_RECORD",
+    "Binomial",
     "Composed",
     "DiscreteEvent",
     "DiscretePld",

@@ -51,13 +51,13 @@ mixture, and the hockey-stick divergence is jointly convex). Adjacency: substitu
 record (so zero-out too). In 1-D the bound is within 3.5-7 % of the exact epsilon (review:
 N = 4096, k = 512, delta = 2.2e-5: exact 195.80, this bound 203.50, Thm 1 142.60).
 
-The binomial mechanism stays SIMULATION-ONLY on the device path: no device configuration
-selects it and no device ledger accounts it. A ledger must never under-count, so it cannot
-carry an unverified paper bound that is below the truth in reachable configurations; a sound
-bound exists (the review's restricted-RDP bound, with an additive delta0 and no subsampling
-amplification) but would need its own ledger event kind, and the distributed discrete
-Gaussian (:mod:`edge_sdk.ddp`) already gives the device path integers for secure aggregation
-with a tight, proved RDP bound. cpSGD remains an experiment baseline.
+On the device (issue 15 G6, :mod:`edge_sdk.mechanisms.binomial`) the ledger accounts this
+bound, never Thm 1: :func:`binomial_event` puts (rho, delta0) into the privacy event
+:class:`~edge_sdk.privacy.events.Binomial`, and :class:`~edge_sdk.privacy.rdp.RdpAccountant`
+composes it with the device's other events (restricted moments and RDP curves add, delta0s
+add; converted at delta - sum delta0 without the KL shortcut; the composition theorem is in
+:mod:`edge_sdk.privacy.rdp`). A ledger must never under-count, so Thm 1 (below the truth in
+reachable configurations) is only ever a labelled paper figure.
 """
 
 from __future__ import annotations
@@ -70,11 +70,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from edge_sdk.privacy._math import logsumexp
+from edge_sdk.privacy.events import Binomial
 
 __all__ = [
     "BINOMIAL_ORDERS",
     "PAPER_BOUND_LABEL",
     "CpsgdBinomial",
+    "binomial_event",
     "cpsgd_epsilon",
     "restricted_rdp",
     "restricted_rdp_epsilon",
@@ -196,6 +198,26 @@ def restricted_rdp(*, trials: int, l2: float, linf: float, l1: float, dim: int,
     return rho, delta0
 
 
+def binomial_event(*, trials: int, l2: float, linf: float, l1: float, dim: int,
+                   steps: int = 1, adjacency: str = "substitution",
+                   orders: Sequence[float] = BINOMIAL_ORDERS) -> Binomial:
+    """The privacy event of ``steps`` releases of the binomial mechanism, with its
+    restricted moment and delta0 per release from :func:`restricted_rdp` (sensitivities
+    in grid units, stated under ``adjacency``: ``"substitution"``, or ``"zero_out"``, a
+    special case of it). Each release is charged in full: no amplification by sampling.
+
+    Raises:
+        ValueError: bad parameters (as :func:`restricted_rdp`, or from the event).
+    """
+    rho, delta0 = restricted_rdp(trials=trials, l2=l2, linf=linf, l1=l1, dim=dim,
+                                 orders=orders)
+    return Binomial(trials=trials, l2_sensitivity=float(l2), linf_sensitivity=float(linf),
+                    l1_sensitivity=float(l1), dim=dim,
+                    orders=tuple(float(a) for a in orders),
+                    rho=tuple(float(r) for r in rho), delta0=float(delta0), steps=steps,
+                    adjacency=adjacency)  # type: ignore[arg-type]
+
+
 def restricted_rdp_epsilon(rho: Sequence[float] | np.ndarray, orders: Sequence[float],
                            delta0: float, delta: float) -> float:
     """Epsilon at ``delta`` from a (composed) restricted moment: the least over orders of
@@ -276,6 +298,14 @@ class CpsgdBinomial:
         l1, l2, linf = (x / self.grid for x in self.sensitivities())
         return restricted_rdp(trials=self.trials, l2=l2, linf=linf, l1=l1, dim=self.dim,
                               orders=orders)
+
+    def event(self, *, adjacency: str = "substitution") -> Binomial:
+        """This release as a privacy event (:func:`binomial_event`, sensitivities in grid
+        units, substitution of one record or its special case zero-out); the sample rate is
+        ignored: no amplification is claimed."""
+        l1, l2, linf = (x / self.grid for x in self.sensitivities())
+        return binomial_event(trials=self.trials, l2=l2, linf=linf, l1=l1, dim=self.dim,
+                              adjacency=adjacency)
 
     def epsilon(self, delta: float, releases: int = 1) -> float:
         """Sound epsilon at ``delta`` of ``releases`` such releases (substitution of one

@@ -27,6 +27,10 @@ substitution sensitivity, 2C for a sum of per-sample gradients clipped to C);
 sensitivities are stated by whoever builds them, for the relation they name; the record is
 a device in :func:`edge_sdk.ddp.event`, a sample in the simulator's ``ddg`` plan: each
 producer's docstring says which). Their RDP bounds are in :mod:`edge_sdk.privacy.discrete`.
+:class:`Binomial` (the cpSGD binomial mechanism) substitution or zero-out; it carries no
+RDP curve but a restricted Renyi moment and an additive delta0
+(:mod:`edge_sdk.privacy.binomial`), which only :class:`~edge_sdk.privacy.rdp.RdpAccountant`
+composes.
 :class:`Composed` and :class:`SelfComposed` carry no adjacency: their leaves do.
 
 Accountants say which events they interpret (``supports(event)``) and raise
@@ -66,6 +70,7 @@ __all__ = [
     "ADJACENCIES",
     "IGNORES_NULL_RECORD",
     "Adjacency",
+    "Binomial",
     "Composed",
     "DiscreteEvent",
     "DistributedDiscreteGaussian",
@@ -295,6 +300,90 @@ class DistributedSkellam:
         return 2.0 * self.devices * self.mu
 
 
+def _check_curve(orders: object, rho: object) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(orders, rho) as tuples of floats: orders finite, > 1 and strictly increasing; rho
+    finite and >= 0, one per order. Lists are accepted."""
+    def floats(name: str, value: object) -> tuple[float, ...]:
+        if not isinstance(value, tuple | list) or not value:
+            raise ValueError(f"{name} must be a non-empty tuple of numbers, got {value!r}")
+        if any(isinstance(x, bool) or not isinstance(x, numbers.Real) for x in value):
+            raise ValueError(f"{name} must hold real numbers only, got {value!r}")
+        return tuple(float(x) for x in value)
+
+    a, r = floats("orders", orders), floats("rho", rho)
+    if any(not (math.isfinite(x) and x > 1) for x in a) or any(
+            y <= x for x, y in zip(a, a[1:], strict=False)):
+        raise ValueError(f"orders must be finite, > 1 and strictly increasing, got {orders!r}")
+    if len(r) != len(a):
+        raise ValueError(f"rho needs one value per order ({len(a)}), got {len(r)}")
+    if any(not (math.isfinite(x) and x >= 0) for x in r):
+        raise ValueError(f"rho must be finite and >= 0 at every order, got {rho!r}")
+    return a, r
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Binomial:
+    """The cpSGD binomial mechanism (Agarwal, Suresh, Yu, Kumar, McMahan 2018): integers on
+    a grid plus Binomial(N, 1/2) - N/2 per coordinate, run ``steps`` times.
+
+    Binomial pairs have infinite Renyi divergence (their supports differ), so the event
+    carries what :func:`edge_sdk.privacy.binomial.restricted_rdp` proves instead, per
+    release: a RESTRICTED Renyi moment ``rho`` at ``orders`` and the probability bound
+    ``delta0`` of the support-mismatch event B, i.e. for every neighbouring pair (P, Q the
+    output laws, L the privacy loss log dP/dQ)
+
+        E_P[1_{not B} exp((a-1) L)] <= exp((a-1) rho(a))  at each order a,   P(B) <= delta0.
+
+    An ordinary RDP curve r(a) is the special case B = empty, delta0 = 0, so both kinds
+    compose (:class:`~edge_sdk.privacy.rdp.RdpAccountant`; the theorem is in
+    :mod:`edge_sdk.privacy.binomial`). Build it with
+    :func:`edge_sdk.privacy.binomial.binomial_event`, which computes ``rho`` and ``delta0``
+    from the sensitivities; the constructor checks their form, not their values.
+
+    Attributes:
+        trials: N, coin flips per coordinate (p = 1/2).
+        l2_sensitivity, linf_sensitivity, l1_sensitivity: D2, Dinf, D1, bounds on the
+            integer shift between the two neighbours' grid values, in grid units, under
+            ``adjacency`` (>= 0; Dinf < N).
+        dim: d, the released coordinates.
+        orders: the orders a > 1 the moment is stated at (strictly increasing).
+        rho: the restricted moment of ONE release at each order, nats (finite, >= 0).
+        delta0: P(B) of ONE release, in [0, 1).
+        steps: number of releases (>= 1): moments and delta0 add over them.
+        adjacency: ``"substitution"`` (the sensitivities' relation) or ``"zero_out"`` (a
+            special case of it, rule 1 of the module docstring).
+    """
+
+    trials: int
+    l2_sensitivity: float
+    linf_sensitivity: float
+    l1_sensitivity: float
+    dim: int
+    orders: tuple[float, ...]
+    rho: tuple[float, ...]
+    delta0: float
+    steps: int = 1
+    adjacency: Adjacency = "substitution"
+
+    def __post_init__(self) -> None:
+        _check_count("trials", self.trials)
+        _check_real("l2_sensitivity", self.l2_sensitivity)
+        linf = _check_real("linf_sensitivity", self.linf_sensitivity)
+        _check_real("l1_sensitivity", self.l1_sensitivity)
+        if linf >= self.trials:
+            raise ValueError(f"linf_sensitivity must be < trials={self.trials} (else the "
+                             f"supports can be disjoint), got {self.linf_sensitivity!r}")
+        _check_count("dim", self.dim)
+        orders, rho = _check_curve(self.orders, self.rho)
+        object.__setattr__(self, "orders", orders)
+        object.__setattr__(self, "rho", rho)
+        d0 = _check_real("delta0", self.delta0)
+        if not d0 < 1:
+            raise ValueError(f"delta0 must be in [0, 1), got {self.delta0!r}")
+        _check_count("steps", self.steps)
+        _check_adjacency("Binomial", self.adjacency, ("substitution", "zero_out"))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SelfComposed:
     """One event run ``count`` times in a row (``dp_accounting``'s ``SelfComposedDpEvent``).
@@ -349,10 +438,11 @@ DiscreteEvent: TypeAlias = DistributedDiscreteGaussian | DistributedSkellam
 
 Event: TypeAlias = (
     Gaussian | PoissonSubsampledGaussian | SampledWithoutReplacementGaussian
-    | DistributedDiscreteGaussian | DistributedSkellam | Composed | SelfComposed
+    | DistributedDiscreteGaussian | DistributedSkellam | Binomial | Composed | SelfComposed
 )
 _EVENT_TYPES = (Gaussian, PoissonSubsampledGaussian, SampledWithoutReplacementGaussian,
-                DistributedDiscreteGaussian, DistributedSkellam, Composed, SelfComposed)
+                DistributedDiscreteGaussian, DistributedSkellam, Binomial, Composed,
+                SelfComposed)
 
 #: Event types whose mechanism ignores a null record (rule 2 of the module docstring):
 #: their add/remove bounds hold for zero-out pairs unchanged.

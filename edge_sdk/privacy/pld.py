@@ -36,6 +36,7 @@ from edge_sdk.privacy._math import ndtr, sf_normal
 from edge_sdk.privacy.events import (
     _EVENT_TYPES,
     Adjacency,
+    Binomial,
     Composed,
     Event,
     Gaussian,
@@ -443,6 +444,11 @@ def _leaves(event: Event, count: int, out: dict[tuple[float, float], int]) -> No
             "SampledWithoutReplacementGaussian (substitution adjacency) is not supported by "
             "the PLD accountant (add/remove); use RdpAccountant(adjacency='substitution')"
         )
+    elif isinstance(event, Binomial):
+        raise UnsupportedEventError(
+            "Binomial (cpSGD) is not supported by the PLD accountant: it has no single "
+            "privacy loss distribution here, only a restricted Renyi moment with an additive "
+            "delta0; use RdpAccountant(orders=event.orders)")
     else:  # the discrete events: no PLD here; RdpAccountant takes them
         raise UnsupportedEventError(f"unsupported privacy event {event!r}")
 

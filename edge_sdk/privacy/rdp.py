@@ -16,6 +16,31 @@ What is computed, and how tight:
   (log-moment) interpolation in between (their Corollary 10).
 * Conversion to (eps, delta): the improved bound of Balle et al. 2020 / Canonne, Kamath,
   Steinke 2020, with the classic bound of Mironov 2017 (Prop. 3) alongside.
+* The cpSGD binomial mechanism (:class:`~edge_sdk.privacy.events.Binomial`) has no RDP
+  curve (infinite Renyi divergence: the supports differ) but a RESTRICTED moment rho_B(a)
+  and an additive delta0 (:mod:`edge_sdk.privacy.binomial`). :class:`RdpAccountant`
+  composes it with everything else at the orders it carries; :func:`compute_rdp` refuses
+  it (a restricted moment converted as RDP would drop delta0).
+
+Composition with restricted moments (the accountant's theorem; it is the argument by which
+approximate zCDP composes with its deltas adding, Bun & Steinke 2016 (their approximate
+zCDP), proved here directly for the one-sided form used, so it rests on no lemma number):
+call a release (rho, delta0)-restricted at order a if, for every adjacent pair, with P, Q
+its output laws, L = log dP/dQ, there is an event B with P(B) <= delta0 and E_P[1_{not B}
+e^{(a-1) L}] <= e^{(a-1) rho}. An RDP bound r(a) is (r(a), 0)-restricted (B empty:
+E_P[e^{(a-1)L}] = E_Q[(dP/dQ)^a] = e^{(a-1) D_a}). For an adaptive sequence of releases,
+each restricted for EVERY adjacent pair and hence given any earlier outputs, the joint
+loss is the sum of the per-release losses, and with B = the union of the B_t, peeling
+releases off the end (tower property) gives E_P[1_{not B} e^{(a-1) sum L_t}] <= e^{(a-1)
+sum rho_t}, while P(B) <= sum delta0_t (union bound). Conversion: the hockey-stick
+divergence is delta(eps) = E_P[(1 - e^{eps - L})_+] <= P(B) + E_P[1_{not B} (1 - e^{eps -
+L})_+], and (1 - e^{-x})_+ <= c_a e^{(a-1) x} with c_a = (a-1)^{a-1} / a^a for every real
+x (the pointwise step of Canonne, Kamath, Steinke 2020 Prop. 12; the maximum of (1 - t)
+t^{a-1} over t in (0, 1] is c_a), so delta(eps) <= sum delta0 + c_a e^{(a-1)(sum rho -
+eps)}, i.e. eps(delta) = min_a sum rho(a) + log1p(-1/a) - (log(delta - sum delta0) + log
+a) / (a - 1), infinite when delta <= sum delta0. No Bretagnolle-Huber shortcut (it needs
+KL <= RDP; KL is infinite here). Both directions of every pair are covered: the events'
+bounds are stated for every ordered pair.
 
 Everything here is an upper bound on the true epsilon, never below it, up to float64
 rounding (relative 1e-12 or so). Only numpy and math are used.
@@ -38,6 +63,7 @@ from edge_sdk.privacy.events import (
     _EVENT_TYPES,
     ADJACENCIES,
     Adjacency,
+    Binomial,
     Composed,
     DistributedDiscreteGaussian,
     DistributedSkellam,
@@ -587,7 +613,55 @@ def _check_event(event: object, adjacency: Adjacency) -> Event:
     return restate(event, adjacency)
 
 
+def _binomial_moment(event: Binomial, orders: np.ndarray) -> np.ndarray:
+    """The restricted moment of ``event``'s ``steps`` releases at ``orders``, each of which
+    must be one of the event's own (UnsupportedEventError otherwise: the moment is known
+    only there)."""
+    at = dict(zip(event.orders, event.rho, strict=True))
+    missing = [float(a) for a in orders if float(a) not in at]
+    if missing:
+        raise UnsupportedEventError(
+            f"a Binomial event states its restricted moment at its own {len(event.orders)} "
+            f"orders only; this accountant's orders include {missing[0]!r}, which is not one "
+            "of them (use RdpAccountant(orders=event.orders))")
+    return event.steps * np.array([at[float(a)] for a in orders])
+
+
+def _check_binomial_orders(event: Event, orders: np.ndarray) -> None:
+    """UnsupportedEventError unless every Binomial leaf of ``event`` states its moment at
+    every one of ``orders``."""
+    if isinstance(event, Composed):
+        for e in event.events:
+            _check_binomial_orders(e, orders)
+    elif isinstance(event, SelfComposed):
+        _check_binomial_orders(event.event, orders)
+    elif isinstance(event, Binomial):
+        _binomial_moment(event, orders)
+
+
+def _moments_of(event: Event, orders: np.ndarray) -> tuple[np.ndarray, float, bool]:
+    """(restricted moment at ``orders``, delta0, whether a Binomial leaf is in): RDP curves
+    are restricted moments with delta0 = 0 (module docstring); both add over composition."""
+    if isinstance(event, Composed):
+        total, d0, restricted = np.zeros_like(orders), 0.0, False
+        for e in event.events:
+            r, d, b = _moments_of(e, orders)
+            total, d0, restricted = total + r, d0 + d, restricted or b
+        return total, d0, restricted
+    if isinstance(event, SelfComposed):
+        r, d, b = _moments_of(event.event, orders)
+        return event.count * r, event.count * d, b
+    if isinstance(event, Binomial):
+        return _binomial_moment(event, orders), event.steps * event.delta0, True
+    return _rdp_of(event, orders), 0.0, False
+
+
 def _rdp_of(event: Event, orders: np.ndarray) -> np.ndarray:
+    if isinstance(event, Binomial):
+        raise UnsupportedEventError(
+            "a Binomial event has no RDP curve (binomial pairs have different supports), "
+            "only a restricted moment with an additive delta0: compose it in an "
+            "RdpAccountant (orders=event.orders), which converts with delta - delta0")
     if isinstance(event, Composed):
         total = np.zeros_like(orders)
         for e in event.events:
@@ -636,7 +710,9 @@ def compute_rdp(
         RDP in nats, one value per order (inf where there is no guarantee).
 
     Raises:
-        UnsupportedEventError: an event that has no RDP bound under ``adjacency``.
+        UnsupportedEventError: an event that has no RDP bound under ``adjacency``, or one
+            containing a :class:`~edge_sdk.privacy.events.Binomial` (no RDP curve: compose
+            it in an :class:`RdpAccountant`).
         ValueError: bad ``orders`` or ``adjacency``.
     """
     if adjacency not in ADJACENCIES:
@@ -697,6 +773,31 @@ def _compute_rdp(event: Event, orders: np.ndarray, adjacency: Adjacency) -> np.n
     event = _check_event(event, adjacency)
     with np.errstate(invalid="ignore"):  # 0 * inf never arises: steps >= 1
         return _rdp_of(event, orders)
+
+
+def _compute_moments(event: Event, orders: np.ndarray,
+                     adjacency: Adjacency) -> tuple[np.ndarray, float, bool]:
+    """:func:`_moments_of` of ``event`` restated under ``adjacency`` (validated orders)."""
+    event = _check_event(event, adjacency)
+    with np.errstate(invalid="ignore"):  # 0 * inf never arises: steps >= 1
+        return _moments_of(event, orders)
+
+
+def _epsilon_restricted(r: np.ndarray, a: np.ndarray, delta: float,
+                        delta0: float) -> tuple[float, float]:
+    """(eps, order) at ``delta`` from a composed restricted moment ``r`` and delta0: the
+    least over orders of r + log1p(-1/a) - (log(delta - delta0) + log a) / (a - 1), at
+    least 0; (inf, nan) when delta <= delta0 (module docstring). No KL shortcut."""
+    rest = delta - delta0
+    if not rest > 0:
+        return math.inf, math.nan
+    with np.errstate(invalid="ignore", over="ignore"):
+        eps = r + np.log1p(-1.0 / a) - (math.log(rest) + np.log(a)) / (a - 1.0)
+    eps = np.where(np.isnan(eps), math.inf, eps)
+    k = int(np.argmin(eps))
+    if not math.isfinite(eps[k]):
+        return math.inf, math.nan
+    return max(0.0, float(eps[k])), float(a[k])
 
 
 # -------------------------------------------------------------------------- conversion
@@ -784,7 +885,11 @@ class RdpAccountant:
 
     Takes every event of :data:`~edge_sdk.privacy.events.Event`: the Gaussian family by the
     bounds above, the distributed discrete Gaussian and Skellam by those of
-    :mod:`edge_sdk.privacy.discrete`, each restated under this accountant's adjacency.
+    :mod:`edge_sdk.privacy.discrete`, each restated under this accountant's adjacency; a
+    :class:`~edge_sdk.privacy.events.Binomial` when every order of the accountant is one of
+    the event's (its restricted moment is added to the others' RDP and its delta0 kept
+    apart; once one is composed, epsilon is converted at delta - delta0 without the KL
+    shortcut: module docstring).
 
     Composition is check-then-commit: an event is validated and its RDP computed in full
     before the running total changes, so a rejected event leaves the accountant as it was.
@@ -810,7 +915,7 @@ class RdpAccountant:
         4.75
     """
 
-    __slots__ = ("_adjacency", "_orders", "_rdp")
+    __slots__ = ("_adjacency", "_delta0", "_orders", "_rdp", "_restricted")
 
     def __init__(
         self,
@@ -825,6 +930,8 @@ class RdpAccountant:
         self._orders = _as_orders(DEFAULT_ORDERS if orders is None else orders)
         self._rdp = np.zeros_like(self._orders)
         self._adjacency: Adjacency = adjacency
+        self._delta0 = 0.0  # summed delta0 of the Binomial events composed
+        self._restricted = False  # a Binomial event was composed: no KL shortcut
 
     def __repr__(self) -> str:
         return (
@@ -839,8 +946,14 @@ class RdpAccountant:
 
     @property
     def rdp(self) -> np.ndarray:
-        """The accumulated RDP at each order, in nats (a copy)."""
+        """The accumulated RDP at each order, in nats (a copy); a restricted moment once a
+        Binomial event is composed (:attr:`delta0`)."""
         return self._rdp.copy()
+
+    @property
+    def delta0(self) -> float:
+        """The summed delta0 of the composed Binomial events (0 without one)."""
+        return self._delta0
 
     @property
     def adjacency(self) -> Adjacency:
@@ -849,9 +962,10 @@ class RdpAccountant:
 
     def supports(self, event: object) -> bool:
         """Whether :meth:`compose` takes ``event``: any event of the union, discrete ones
-        included, that restates soundly under this accountant's adjacency."""
+        included, that restates soundly under this accountant's adjacency (a Binomial one
+        only if it states its moment at every order of this accountant)."""
         try:
-            _check_event(event, self._adjacency)
+            _check_binomial_orders(_check_event(event, self._adjacency), self._orders)
         except UnsupportedEventError:
             return False
         return True
@@ -866,15 +980,22 @@ class RdpAccountant:
         """
         if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
             raise ValueError(f"count must be an integer >= 0, got {count!r}")
-        increment = _compute_rdp(event, self._orders, self._adjacency)  # orders: checked
+        increment, delta0, restricted = _compute_moments(event, self._orders, self._adjacency)
         if count:
             self._rdp = self._rdp + count * increment
+            self._delta0 += count * delta0
+            self._restricted = self._restricted or restricted
         return self
 
     def get_epsilon_and_order(self, delta: float) -> tuple[float, float]:
-        """(epsilon at ``delta``, the best order), by :func:`rdp_to_epsilon`."""
+        """(epsilon at ``delta``, the best order), by :func:`rdp_to_epsilon`; once a Binomial
+        event is composed, by the restricted conversion at ``delta`` - :attr:`delta0`
+        (module docstring; inf when delta <= delta0)."""
         # The orders were checked on construction and the RDP is >= 0 by construction.
-        return _epsilon_improved(self._rdp, self._orders, _check_delta(delta))
+        delta = _check_delta(delta)
+        if self._restricted:
+            return _epsilon_restricted(self._rdp, self._orders, delta, self._delta0)
+        return _epsilon_improved(self._rdp, self._orders, delta)
 
     def get_epsilon(self, delta: float) -> float:
         """Epsilon at ``delta`` (inf if some composed event had no noise)."""

@@ -26,6 +26,7 @@ from edge_sdk.privacy.events import (
     _EVENT_TYPES,
     ADJACENCIES,
     Adjacency,
+    Binomial,
     Composed,
     Event,
     Gaussian,
@@ -98,6 +99,10 @@ def compute_rho(event: Event) -> float:
         return event.count * compute_rho(event.event)
     if isinstance(event, Gaussian | PoissonSubsampledGaussian | SampledWithoutReplacementGaussian):
         return gaussian_rho(event.noise_multiplier, event.steps)
+    if isinstance(event, Binomial):
+        raise UnsupportedEventError(
+            "Binomial (cpSGD) has no zCDP rho (binomial pairs have different supports), only "
+            "a restricted Renyi moment with an additive delta0: use RdpAccountant")
     raise UnsupportedEventError(f"unsupported privacy event {event!r}")
 
 

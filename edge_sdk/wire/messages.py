@@ -85,6 +85,7 @@ __all__ = [
     "UP_KINDS",
     "AdvertiseKeys",
     "CheckIn",
+    "BinomialParams",
     "DdgParams",
     "Decline",
     "EncryptedShare",
@@ -255,8 +256,34 @@ class DdgParams(Record):
     nominal_samples: float = Float(0.0, open_lo=True)
 
 
+@record
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BinomialParams(Record):
+    """The ``binomial`` mechanism's part of a round plan: the cpSGD binomial mechanism
+    (Agarwal et al., NeurIPS 2018; ``edge_sdk.mechanisms.binomial``): the clipped update
+    rounded onto a grid of S / levels plus Binomial(trials, 1/2) - trials/2, integers
+    straight into the ring (the plan's ``bits``).
+
+    Attributes:
+        steps, batch_size, lr, clip: the local round E, b, lr and per-sample clip C
+            (``edge_sdk.train.local_round_binomial``; a without-replacement subsample).
+        update_clip: S, the L2 bound of the update (model units).
+        trials: N, coin flips per coordinate (even; the device checks the range).
+        levels: grid steps per S (the grid is S / levels).
+    """
+
+    steps: int = Int(1, 1 << 20)
+    batch_size: int = Int(1, 1 << 24)
+    lr: float = Float(0.0, open_lo=True)
+    clip: float = Float(0.0, open_lo=True)
+    update_clip: float = Float(0.0, open_lo=True)
+    trials: int = Int(2, 1 << 20)
+    levels: int = Int(1, 1 << 20)
+
+
 MECHANISM_PARAMS: Mapping[str, type[Record]] = MappingProxyType({
-    "gaussian": GaussianParams, "update-noise": UpdateNoiseParams, "ddg": DdgParams})
+    "gaussian": GaussianParams, "update-noise": UpdateNoiseParams, "ddg": DdgParams,
+    "binomial": BinomialParams})
 """Each mechanism's parameter record, by the name a plan's ``mechanism`` field carries
 (``edge_sdk.mechanisms.MECHANISMS`` has the same names)."""
 
