@@ -22,6 +22,7 @@ from edge_sdk.mechanisms import (
     MECHANISMS,
     Contribution,
     Ddg,
+    DeviceDp,
     Gaussian,
     GaussianRound,
     UpdateNoise,
@@ -75,7 +76,8 @@ def _shards(digits: Any, n: int, size: int = 60) -> list[tuple[np.ndarray, np.nd
 
 
 def test_registry() -> None:
-    assert dict(MECHANISMS) == {"gaussian": Gaussian, "update-noise": UpdateNoise, "ddg": Ddg}
+    assert dict(MECHANISMS) == {"gaussian": Gaussian, "update-noise": UpdateNoise, "ddg": Ddg,
+                                "device-dp": DeviceDp}
     assert Gaussian.name == "gaussian" and Gaussian.Params is wire.GaussianParams
     # every registered mechanism's params can travel in a plan, and nothing else can
     assert set(wire.MECHANISM_PARAMS) == set(MECHANISMS)

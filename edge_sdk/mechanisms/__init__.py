@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 from edge_sdk.mechanisms.base import Contribution, DeviceHalf, Mechanism, ServerHalf
 from edge_sdk.mechanisms.ddg import Ddg, DdgDevice, DdgRound, DdgServer
+from edge_sdk.mechanisms.device_dp import DeviceDp, DeviceDpDevice, DeviceDpRound, DeviceDpServer
 from edge_sdk.mechanisms.gaussian import (
     Gaussian,
     GaussianDevice,
@@ -31,6 +32,10 @@ __all__ = [
     "DdgDevice",
     "DdgRound",
     "DdgServer",
+    "DeviceDp",
+    "DeviceDpDevice",
+    "DeviceDpRound",
+    "DeviceDpServer",
     "DeviceHalf",
     "Gaussian",
     "GaussianDevice",
@@ -44,5 +49,5 @@ __all__ = [
     "UpdateNoiseServer",
 ]
 
-MECHANISMS: Mapping[str, type] = {m.name: m for m in (Gaussian, UpdateNoise, Ddg)}
+MECHANISMS: Mapping[str, type] = {m.name: m for m in (Gaussian, UpdateNoise, Ddg, DeviceDp)}
 """Mechanism name -> class."""
