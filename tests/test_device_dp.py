@@ -347,3 +347,63 @@ def _tiny_plan(min_survivors: int) -> wire.RoundPlan:
         params=params, round_seed=bytes(range(32)), bits=20, length=4, nonce=cfg.nonce,
         degree=cfg.degree, threshold=cfg.threshold,
         min_survivors=max(min_survivors, cfg.threshold), max_colluders=1, stage_timeout=10.0)
+
+
+# ------------------------------------------------------------------------- the fleet
+
+
+def test_inproc_fleet_with_secagg_and_dropouts(tmp_path, digits, engine) -> None:
+    """tools.fleet over the in-memory broker: 8 devices, SecAgg+, 2 vanish per round at
+    random stages. Rounds complete, each sum is the survivors' inputs bit for bit
+    (``check_sums``), the model moves, and every device's ledger holds, for each round it
+    reserved, the device-level zero-out event of min_survivors - max_colluders = 3 honest
+    shares, and reports the epsilon the accountant gives for those events."""
+    from test_fleet import BASE, _assert_clean_rounds
+
+    from tools.fleet import FLEET_NAME, Fleet
+    from tools.simconfig import SimConfig
+
+    cfg = SimConfig(**{**BASE, "devices": 8, "participation": 1.0, "rounds": 3,
+                       "dropout": 0.2, "mechanism": "device-dp", "update_clip": 1.0,
+                       "noise_multiplier": 1.0, "budget_epsilon": 1000.0})
+    fleet = Fleet(cfg, tmp_path, data=digits, engine=engine)
+    summary = fleet.run()
+    try:
+        _assert_clean_rounds(fleet, summary, 3)  # includes check_sums: exact ring sums
+        assert summary["rounds_completed"] == 3
+        assert all(len(r["dropped"]) == 2 for r in summary["rounds"])
+        assert fleet.machine.model_version == 3
+        assert any(not np.array_equal(a, b)
+                   for a, b in zip(fleet.machine.params, fleet.initial, strict=True))
+        pol = fleet.policy
+        assert (pol.mechanism, pol.update_clip, pol.gamma) == ("device-dp", 1.0, 1.0 / 1024)
+        d = sum(p.size for p in fleet.initial)
+        params, length, _ = mechanism_params(pol, dim=d, cohort_size=8)
+        honest = pol.survivors_needed(8) - pol.max_colluders
+        assert honest == 3 and length == ddp.padded_dim(d)
+        cfg_ddp = ddp.DistributedDP(clip=1.0, gamma=1.0 / 1024, noise="discrete_gaussian",
+                                    bits=20, sigma=params.sigma)
+        want_agg = ddp.event(cfg_ddp, honest, d, adjacency="zero_out")
+        want_local = ddp.event(cfg_ddp, 1, d, adjacency="zero_out")
+        checked = 0
+        for name in fleet.names:
+            res = fleet.ledgers[name].reservations()
+            vanished_early = [r["round"] for r in summary["rounds"]
+                              if r["dropped"].get(name) == "keys"]
+            assert len(res) == 3 - len(vanished_early)
+            for r in res:
+                assert r.plan.aggregate_event == want_agg
+                assert r.plan.event == want_local
+                assert r.plan.round_id.startswith(f"{FLEET_NAME}/")
+            spent = fleet.ledgers[name].spent()
+            assert spent.aggregate_epsilon == pytest.approx(
+                epsilon_rdp([want_agg] * len(res), DELTA), rel=1e-9)
+            assert spent.local_epsilon == pytest.approx(
+                epsilon_rdp([want_local] * len(res), DELTA), rel=1e-9)
+            assert 0 < spent.aggregate_epsilon < spent.local_epsilon < math.inf
+            checked += bool(res)
+        assert checked == 8
+        assert summary["epsilon_aggregate"] == pytest.approx(
+            epsilon_rdp([want_agg] * 3, DELTA), rel=1e-9)
+    finally:
+        fleet.close()
