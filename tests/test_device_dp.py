@@ -352,58 +352,90 @@ def _tiny_plan(min_survivors: int) -> wire.RoundPlan:
 # ------------------------------------------------------------------------- the fleet
 
 
-def test_inproc_fleet_with_secagg_and_dropouts(tmp_path, digits, engine) -> None:
-    """tools.fleet over the in-memory broker: 8 devices, SecAgg+, 2 vanish per round at
-    random stages. Rounds complete, each sum is the survivors' inputs bit for bit
-    (``check_sums``), the model moves, and every device's ledger holds, for each round it
-    reserved, the device-level zero-out event of min_survivors - max_colluders = 3 honest
-    shares, and reports the epsilon the accountant gives for those events."""
-    from test_fleet import BASE, _assert_clean_rounds
+def _device_fleet(tmp: Any, digits: Any, engine: Any, transport: str = "inproc") -> Any:
+    """8 devices, all in every round, SecAgg+, 2 vanish per round at random stages."""
+    from test_fleet import BASE
 
-    from tools.fleet import FLEET_NAME, Fleet
+    from tools.fleet import Fleet
     from tools.simconfig import SimConfig
 
     cfg = SimConfig(**{**BASE, "devices": 8, "participation": 1.0, "rounds": 3,
                        "dropout": 0.2, "mechanism": "device-dp", "update_clip": 1.0,
-                       "noise_multiplier": 1.0, "budget_epsilon": 1000.0})
-    fleet = Fleet(cfg, tmp_path, data=digits, engine=engine)
-    summary = fleet.run()
+                       "noise_multiplier": 1.0, "budget_epsilon": 1000.0,
+                       "transport": transport})
+    return Fleet(cfg, tmp, data=digits, engine=engine)
+
+
+def _check_device_fleet(fleet: Any, summary: dict[str, Any]) -> None:
+    """Rounds complete, each sum is the survivors' inputs bit for bit (``check_sums``), the
+    model moves, and every device's ledger holds, for each round it reserved, the
+    device-level zero-out event of min_survivors - max_colluders = 3 honest shares (and the
+    local event of its own share), and reports the epsilon the accountant gives for them."""
+    from test_fleet import _assert_clean_rounds
+
+    from tools.fleet import FLEET_NAME
+
+    _assert_clean_rounds(fleet, summary, 3)  # includes check_sums: exact ring sums
+    assert summary["rounds_completed"] == 3
+    assert all(len(r["dropped"]) == 2 for r in summary["rounds"])
+    assert fleet.machine.model_version == 3
+    assert any(not np.array_equal(a, b)
+               for a, b in zip(fleet.machine.params, fleet.initial, strict=True))
+    pol = fleet.policy
+    assert (pol.mechanism, pol.update_clip, pol.gamma) == ("device-dp", 1.0, 1.0 / 1024)
+    d = sum(p.size for p in fleet.initial)
+    params, length, _ = mechanism_params(pol, dim=d, cohort_size=8)
+    honest = pol.survivors_needed(8) - pol.max_colluders
+    assert honest == 3 and length == ddp.padded_dim(d)
+    cfg_ddp = ddp.DistributedDP(clip=1.0, gamma=1.0 / 1024, noise="discrete_gaussian",
+                                bits=20, sigma=params.sigma)
+    want_agg = ddp.event(cfg_ddp, honest, d, adjacency="zero_out")
+    want_local = ddp.event(cfg_ddp, 1, d, adjacency="zero_out")
+    for name in fleet.names:
+        res = fleet.ledgers[name].reservations()
+        vanished_early = [r["round"] for r in summary["rounds"]
+                          if r["dropped"].get(name) == "keys"]
+        assert len(res) == 3 - len(vanished_early) >= 1
+        for r in res:
+            assert r.plan.aggregate_event == want_agg
+            assert r.plan.event == want_local
+            assert r.plan.round_id.startswith(f"{FLEET_NAME}/")
+        spent = fleet.ledgers[name].spent()
+        assert spent.aggregate_epsilon == pytest.approx(
+            epsilon_rdp([want_agg] * len(res), DELTA), rel=1e-9)
+        assert spent.local_epsilon == pytest.approx(
+            epsilon_rdp([want_local] * len(res), DELTA), rel=1e-9)
+        assert 0 < spent.aggregate_epsilon < spent.local_epsilon < math.inf
+    assert summary["epsilon_aggregate"] == pytest.approx(
+        max(led.spent().aggregate_epsilon for led in fleet.ledgers.values()), rel=1e-12)
+
+
+def test_inproc_fleet_with_secagg_and_dropouts(tmp_path, digits, engine) -> None:
+    """tools.fleet over the in-memory broker (:func:`_check_device_fleet`)."""
+    fleet = _device_fleet(tmp_path, digits, engine)
     try:
-        _assert_clean_rounds(fleet, summary, 3)  # includes check_sums: exact ring sums
-        assert summary["rounds_completed"] == 3
-        assert all(len(r["dropped"]) == 2 for r in summary["rounds"])
-        assert fleet.machine.model_version == 3
-        assert any(not np.array_equal(a, b)
-                   for a, b in zip(fleet.machine.params, fleet.initial, strict=True))
-        pol = fleet.policy
-        assert (pol.mechanism, pol.update_clip, pol.gamma) == ("device-dp", 1.0, 1.0 / 1024)
-        d = sum(p.size for p in fleet.initial)
-        params, length, _ = mechanism_params(pol, dim=d, cohort_size=8)
-        honest = pol.survivors_needed(8) - pol.max_colluders
-        assert honest == 3 and length == ddp.padded_dim(d)
-        cfg_ddp = ddp.DistributedDP(clip=1.0, gamma=1.0 / 1024, noise="discrete_gaussian",
-                                    bits=20, sigma=params.sigma)
-        want_agg = ddp.event(cfg_ddp, honest, d, adjacency="zero_out")
-        want_local = ddp.event(cfg_ddp, 1, d, adjacency="zero_out")
-        checked = 0
-        for name in fleet.names:
-            res = fleet.ledgers[name].reservations()
-            vanished_early = [r["round"] for r in summary["rounds"]
-                              if r["dropped"].get(name) == "keys"]
-            assert len(res) == 3 - len(vanished_early)
-            for r in res:
-                assert r.plan.aggregate_event == want_agg
-                assert r.plan.event == want_local
-                assert r.plan.round_id.startswith(f"{FLEET_NAME}/")
-            spent = fleet.ledgers[name].spent()
-            assert spent.aggregate_epsilon == pytest.approx(
-                epsilon_rdp([want_agg] * len(res), DELTA), rel=1e-9)
-            assert spent.local_epsilon == pytest.approx(
-                epsilon_rdp([want_local] * len(res), DELTA), rel=1e-9)
-            assert 0 < spent.aggregate_epsilon < spent.local_epsilon < math.inf
-            checked += bool(res)
-        assert checked == 8
-        assert summary["epsilon_aggregate"] == pytest.approx(
-            epsilon_rdp([want_agg] * 3, DELTA), rel=1e-9)
+        _check_device_fleet(fleet, fleet.run())
     finally:
         fleet.close()
+
+
+@pytest.mark.broker
+def test_mosquitto_fleet_equals_the_inproc_run(tmp_path, digits, engine) -> None:
+    """The same rounds over a real mosquitto: the same checks, and the same survivors,
+    integer sums (bit for bit), model and ledgers as in process."""
+    ref = _device_fleet(tmp_path / "inproc", digits, engine)
+    net = _device_fleet(tmp_path / "mqtt", digits, engine, transport="mqtt")
+    try:
+        ref_summary, net_summary = ref.run(), net.run()
+        _check_device_fleet(net, net_summary)
+        assert [r["dropped"] for r in net.rows] == [r["dropped"] for r in ref.rows]
+        for r, o in ref.outcomes.items():
+            other = net.outcomes[r]
+            assert (o.survivors, o.model_version) == (other.survivors, other.model_version)
+            assert np.array_equal(o.total, other.total)
+        assert net_summary["model_sha256"] == ref_summary["model_sha256"]
+        for n in ref.names:
+            assert ref.ledgers[n].spent() == net.ledgers[n].spent(), n
+    finally:
+        ref.close()
+        net.close()
