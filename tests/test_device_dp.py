@@ -439,3 +439,33 @@ def test_mosquitto_fleet_equals_the_inproc_run(tmp_path, digits, engine) -> None
     finally:
         ref.close()
         net.close()
+
+
+def test_cli_runs_device_dp_on_the_fleet_path(tmp_path) -> None:
+    import json
+
+    from tools.cli import main
+
+    out = tmp_path / "fleet.json"
+    rc = main(["simulate", "--secagg", "--transport", "inproc", "--mechanism", "device-dp",
+               "--dataset", "digits", "--model", "logreg", "--devices", "6",
+               "--participation", "1", "--rounds", "2", "--local-steps", "3", "--clip", "1",
+               "--update-clip", "0.5", "--noise-multiplier", "1", "--dropout", "0.2",
+               "--seed", "4", "--quiet", "--workdir", str(tmp_path / "w"),
+               "--json-out", str(out)])
+    assert rc == 0
+    summary = json.loads(out.read_text())
+    assert summary["config"]["mechanism"] == "device-dp" and summary["rounds_completed"] == 2
+    assert summary["config"]["update_clip"] == 0.5
+    assert 0 < summary["epsilon_aggregate"] < summary["epsilon"]
+
+
+def test_the_fast_path_refuses_device_dp() -> None:
+    from tools.simconfig import SimConfig
+
+    with pytest.raises(ValueError, match="runs on the fleet path only"):
+        SimConfig(dataset="digits", model="logreg", mechanism="device-dp", update_clip=1.0,
+                  clip=1.0)
+    with pytest.raises(ValueError, match="needs update_clip"):
+        SimConfig(dataset="digits", model="logreg", mechanism="device-dp", clip=1.0,
+                  secagg=True)
