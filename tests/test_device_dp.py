@@ -469,3 +469,58 @@ def test_the_fast_path_refuses_device_dp() -> None:
     with pytest.raises(ValueError, match="needs update_clip"):
         SimConfig(dataset="digits", model="logreg", mechanism="device-dp", clip=1.0,
                   secagg=True)
+
+
+def test_on_the_device_csprng_both_modes(model) -> None:
+    """What a device runs: the secure round rng (os.urandom), plain SGD dense and DP-SGD
+    with rand-k. Residues in the ring, k' of them; the local event is the share's or
+    DP-SGD's (sample level)."""
+    from edge_sdk.csprng import secure_round_rng
+
+    for kw, kp, local in (({}, 1024, DistributedDiscreteGaussian),
+                          ({"local_noise_multiplier": 1.0, "sparsity": 0.5}, 512,
+                           PoissonSubsampledGaussian)):
+        plan = _plan(model, _policy(**kw))
+        out = open_round(plan, fleet=FLEET, ledger=_book(), params=model["params"],
+                         model_version=0, data=lambda: model["shards"]["d00"],
+                         engine=model["eng"], dim=model["d"], round_rng=secure_round_rng(),
+                         max_colluders=1)
+        assert isinstance(out, Prepared)
+        v = out.contribution.values
+        assert v.dtype == np.uint64 and v.shape == (kp,) and int(v.max()) < 1 << plan.bits
+        assert isinstance(out.ledger_plan.event, local)
+
+
+def test_sessions_publish_the_noise_decline(tmp_path, digits, engine) -> None:
+    """DeviceSessions that assume 3 colluders (the plan's 1) count 5 - 3 = 2 honest shares
+    of a sigma calibrated on 5 - 1 = 4: every cohort member publishes a Decline with
+    reason "noise", nothing is reserved, and the round fails cleanly."""
+    import msgpack
+    from test_session_rounds import Fleet as SessionFleet
+
+    from edge_sdk.session import DeviceSession
+
+    fleet = SessionFleet(tmp_path, digits, engine, rounds=1, epsilon=1000.0, policy={
+        "mechanism": "device-dp", "update_clip": 1.0, "gamma": 1 / 1024, "steps": 2})
+    try:
+        for i, ident in enumerate(fleet.ids):
+            name = ident.device
+            idx = fleet.shards[i]
+            x, y = digits.x_train[idx], digits.y_train[idx]
+            s = DeviceSession(fleet=FLEET, identity=ident,
+                              registry=fleet.registry, ledger=fleet.ledgers[name],
+                              engine=fleet.engine, spec=fleet.spec,
+                              data=lambda x=x, y=y: (x, y),
+                              round_rng=seeded_round_rng(1000 + i),
+                              random_bytes=seeded_bytes(f"dev{i}"), max_colluders=3)
+            fleet.broker.detach(name)
+            fleet.broker.attach(name, s, fleet.now)
+        fleet.settle(until=lambda: bool(fleet.machine.history))
+        declines = [msgpack.unpackb(p) for _, t, p in fleet.broker.sent
+                    if t.endswith("/up/decline")]
+        assert len(declines) == 10 and {d["reason"] for d in declines} == {"noise"}
+        assert all("2 honest shares" in d["detail"] for d in declines)
+        assert all(not led.reservations() for led in fleet.ledgers.values())
+        assert fleet.machine.history[0].completed is False
+    finally:
+        fleet.close()
