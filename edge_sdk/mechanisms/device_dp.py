@@ -22,11 +22,14 @@ Why the discrete Gaussian and not Skellam (both are in :mod:`edge_sdk.ddp`):
   arithmetic over the rng's 64-bit words); ``ddp.sample_skellam`` draws through numpy's
   floating-point Poisson sampler, whose law is not exactly Skellam;
 * accounting at small n: the honest count n = min_survivors - max_colluders of a small
-  IoT cohort is small. KLS Theorem 1's extra term tau = 10 sum exp(-2 pi^2 sigma^2 k/(k+1))
-  is below 1e-80 once sigma >= 3 (the per-device sigma here is z S / (gamma sqrt(n)), in
-  the hundreds at S / gamma = 2^10), so the RDP is a D2^2/(2 n sigma^2) to float precision
-  and was checked tight for n = 7..89 by exact Renyi divergences (privacy review Q2); the
-  Skellam bound (AKL 2021 Thm 3.5) carries a D1 / V^2 term on top;
+  IoT cohort is small. KLS Theorem 1's extra term tau = 10 sum_{k<n} exp(-2 pi^2 sigma^2
+  k/(k+1)) <= 10 (n - 1) exp(-pi^2 sigma^2) is below 1e-34 for sigma >= 3 and n <= 1000
+  (the per-device sigma here is z S / (gamma sqrt(n)), about 100 at S / gamma = 2^10,
+  z = 1, n = 89, where tau is 0 in float64), so the RDP is a D2^2/(2 n sigma^2); the
+  review of issue 15 (Q2, part B) found the claim tight against exact Renyi divergences
+  at n = 7 and 89, and tests/test_device_dp.py checks it against the exact worst case at
+  n = 2, 3 with sigma below 1, where tau is live. The Skellam bound (AKL 2021 Thm 3.5)
+  carries a D1 / V^2 term on top;
 * closure under sums: Skellam is closed under sums and the discrete Gaussian is not, but
   the only price of that here is tau, negligible at these sigmas.
 
