@@ -107,6 +107,9 @@ class RoundPolicy:
             ``batch_size``, ``lr``, ``sampling`` the local round; ``sparsity`` rand-k (the
             plan's bits come from these: ``bits``, ``scale``, ``value_bound`` and
             ``quant_levels`` are not used).
+        ring_bound: ``"device-dp"`` only: how the plan's bits bound the sum,
+            ``"bounded"`` (default, deterministic) or ``"rotated"`` (the rotation's
+            sub-Gaussian tail: fewer bits; ``device_dp.ring_bits`` says when it holds).
         degree, threshold: SecAgg+ neighbourhood (None: ``secagg`` defaults).
         server_opt, server_lr: server optimizer from ``aggregator.optimizers.OPTIMIZERS``.
         seed: seeds the cohort selection (with the round id).
@@ -140,6 +143,7 @@ class RoundPolicy:
     max_local_samples: int | None = None
     nominal_samples: float | None = None
     local_noise_multiplier: float = 0.0
+    ring_bound: str = "bounded"
     degree: int | None = None
     threshold: int | None = None
     server_opt: str = "fedavg"
@@ -224,6 +228,12 @@ class RoundPolicy:
         if z_l and self.mechanism != "device-dp":
             raise ValueError(f"local_noise_multiplier is a setting of mechanism 'device-dp', "
                              f"but mechanism is {self.mechanism!r}: remove it")
+        if self.ring_bound not in device_dp.RING_BOUNDS:
+            raise ValueError(f"ring_bound must be one of {device_dp.RING_BOUNDS}, "
+                             f"got {self.ring_bound!r}")
+        if self.ring_bound != "bounded" and self.mechanism != "device-dp":
+            raise ValueError(f"ring_bound is a setting of mechanism 'device-dp', but "
+                             f"mechanism is {self.mechanism!r}: remove it")
         if self.mechanism == "device-dp":
             if self.quant_levels:
                 raise ValueError(f"mechanism 'device-dp' uploads integers, not QSGD: "
@@ -330,7 +340,7 @@ def _device_dp(policy: RoundPolicy, dim: int, cohort_size: int) -> tuple[Record,
         update_clip=float(policy.update_clip), gamma=float(policy.gamma),
         noise_multiplier=float(policy.noise_multiplier), sparsity=float(policy.sparsity),
         dim=dim, cohort_size=cohort_size, honest=honest,
-        wrap_probability=policy.wrap_probability)
+        wrap_probability=policy.wrap_probability, ring_bound=policy.ring_bound)
     return params, length, bits
 
 

@@ -28,6 +28,7 @@ from edge_sdk.mechanisms.device_dp import (
     DeviceDpDevice,
     device_sigma,
     local_update,
+    ring_bits,
     share_variance,
     target_variance,
 )
@@ -179,12 +180,39 @@ def test_wire_round_trip_of_the_plan(model) -> None:
 # ---------------------------------------------------------------------- the round path
 
 
-@pytest.mark.parametrize("sparsity", [1.0, 0.3])
-def test_decoded_mean_is_the_clipped_mean_within_the_rounding(model, sparsity: float) -> None:
+def test_ring_bounds() -> None:
+    """The rotated bound needs fewer bits than the deterministic one and still keeps the
+    wrap probability (by ddp's bound) below the target: at the issue's scale, 2-byte
+    residues against 4."""
+    sigma = device_sigma(1.0, 1.0, 1 / 1024, 89)
+    kw = dict(update_clip=1.0, gamma=1 / 1024, sigma=sigma, cohort_size=100, length=32768)
+    bounded = ring_bits(**kw)
+    rotated = ring_bits(**kw, bound="rotated")
+    assert (bounded, rotated) == (18, 15)
+    assert ddp.wrap_probability_bound(100, 32768, 1.0, 1 / 1024, sigma, 15) <= 1e-9
+    assert ddp.wrap_probability_bound(100, 32768, 1.0, 1 / 1024, sigma, 14) > 1e-9
+    assert ddp.bounded_wrap_probability(100 * ddp.rounded_l2_bound(
+        1024.0, 32768, ddp.DEFAULT_BETA), 100, 32768, sigma, 18) <= 1e-9
+    with pytest.raises(ValueError, match="bound must be one of"):
+        ring_bits(**kw, bound="loose")
+    with pytest.raises(ValueError, match="ring_bound is a setting of mechanism 'device-dp'"):
+        RoundPolicy(fleet=FLEET, cohort_size=8, ring_bound="rotated")
+    with pytest.raises(ValueError, match="ring_bound must be one of"):
+        _policy(ring_bound="tight")
+
+
+@pytest.mark.parametrize(("sparsity", "ring_bound"), [(1.0, "bounded"), (0.3, "bounded"),
+                                                      (1.0, "rotated")])
+def test_decoded_mean_is_the_clipped_mean_within_the_rounding(model, sparsity: float,
+                                                              ring_bound: str) -> None:
     """Without noise, the decode is the clipped updates' mean up to the rounding alone:
     each survivor's integers are within 1 of its scaled rotated update per coordinate, so
-    the sum is within n sqrt(k') steps of gamma (the rotation is orthogonal)."""
-    plan = _plan(model, _policy(noise_multiplier=0.0, sparsity=sparsity))
+    the sum is within n sqrt(k') steps of gamma (the rotation is orthogonal). No wrap in
+    either ring (the rotated one is narrower)."""
+    plan = _plan(model, _policy(noise_multiplier=0.0, sparsity=sparsity,
+                                ring_bound=ring_bound))
+    if ring_bound == "rotated":  # a narrower ring than the deterministic bound's
+        assert plan.bits < mechanism_params(_policy(noise_multiplier=0.0), dim=model["d"])[2]
     survivors = COHORT[:6]
     decoded, want, prepared = _round(model, plan, survivors, seed=11)
     g, kp = plan.params.gamma, plan.length

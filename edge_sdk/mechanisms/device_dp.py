@@ -93,6 +93,7 @@ from edge_sdk.train import LocalTraining, local_round, round_event
 from edge_sdk.wire import DeviceDpParams, RoundPlan
 
 __all__ = [
+    "RING_BOUNDS",
     "WRAP_PROBABILITY",
     "DeviceDp",
     "DeviceDpDevice",
@@ -171,16 +172,37 @@ def encoding(*, update_clip: float, gamma: float, sigma: float,
                              bits=bits, sigma=sigma)
 
 
+RING_BOUNDS = ("bounded", "rotated")
+"""How :func:`ring_bits` bounds the sum's coordinates (see there)."""
+
+
 def ring_bits(*, update_clip: float, gamma: float, sigma: float, cohort_size: int,
-              length: int, wrap_probability: float = WRAP_PROBABILITY) -> int:
-    """The plan's bits: ``ddp.choose_bits_bounded`` with every coordinate of the summed
-    signal bounded by cohort_size x D2 (a rounded vector of L2 norm <= D2 has no coordinate
-    above D2: deterministic, whatever the rotation's signs) and ``cohort_size`` noise
-    shares (fewer survivors only narrow the noise), over the ``length`` = k' coordinates.
+              length: int, wrap_probability: float = WRAP_PROBABILITY,
+              bound: str = "bounded") -> int:
+    """The plan's bits, so that the sum of ``cohort_size`` uploads over the ``length`` = k'
+    coordinates wraps with probability <= ``wrap_probability`` (fewer survivors only
+    narrow the sum). ``bound``:
+
+    * ``"bounded"``: ``ddp.choose_bits_bounded`` with every coordinate of the summed signal
+      bounded by cohort_size x D2 (a rounded vector of L2 norm <= D2 has no coordinate
+      above D2): deterministic, whatever the rotation's signs;
+    * ``"rotated"``: ``ddp.choose_bits``: after the rotation each coordinate of the summed
+      signal is a Rademacher sum of variance proxy (n S / gamma)^2 / k' (KLS Sec. 4), which
+      assumes the signs (from the plan's seed) independent of the updates, as they are for
+      honest devices; a device that shapes its update against the signs can wrap the sum,
+      but it can send any residues anyway. Far fewer bits: at a cohort of 100, k' = 32768,
+      S / gamma = 2^10, z = 1 over 89 honest shares, 15 bits (2-byte residues) against 18.
+
+    A wrap costs the round's model update, never privacy: the decode is post-processing.
 
     Raises:
-        ValueError: more than 62 bits needed (raise gamma).
+        ValueError: more than 62 bits needed (raise gamma), or an unknown ``bound``.
     """
+    if bound == "rotated":
+        return ddp.choose_bits(cohort_size, length, update_clip, gamma, sigma,
+                               wrap_probability)
+    if bound != "bounded":
+        raise ValueError(f"bound must be one of {RING_BOUNDS}, got {bound!r}")
     l2 = ddp.rounded_l2_bound(update_clip / gamma, length, ddp.DEFAULT_BETA)
     return ddp.choose_bits_bounded(cohort_size * l2, cohort_size, length, sigma,
                                    wrap_probability)
@@ -190,12 +212,13 @@ def device_dp_public(*, steps: int, batch_size: int, lr: float, sampling: str,
                      local_clip: float, local_noise_multiplier: float, update_clip: float,
                      gamma: float, noise_multiplier: float, sparsity: float, dim: int,
                      cohort_size: int, honest: int,
-                     wrap_probability: float = WRAP_PROBABILITY,
+                     wrap_probability: float = WRAP_PROBABILITY, ring_bound: str = "bounded",
                      ) -> tuple[DeviceDpParams, int, int]:
     """The server's choice for one round: (the plan's record, bits, length k').
 
     sigma is calibrated on the ``honest`` = min_survivors - max_colluders shares the
-    devices account and check (:func:`device_sigma`); bits on all ``cohort_size`` shares.
+    devices account and check (:func:`device_sigma`); bits on all ``cohort_size`` shares
+    (:func:`ring_bits` with ``bound=ring_bound``).
 
     Raises:
         ValueError: ``honest`` outside [1, cohort_size], more than 62 bits needed, or bad
@@ -207,7 +230,7 @@ def device_dp_public(*, steps: int, batch_size: int, lr: float, sampling: str,
     sigma = device_sigma(noise_multiplier, update_clip, gamma, honest)
     bits = ring_bits(update_clip=update_clip, gamma=gamma, sigma=sigma,
                      cohort_size=cohort_size, length=length,
-                     wrap_probability=wrap_probability)
+                     wrap_probability=wrap_probability, bound=ring_bound)
     params = DeviceDpParams(
         steps=steps, batch_size=batch_size, lr=lr, sampling=sampling, local_clip=local_clip,
         local_noise_multiplier=local_noise_multiplier, update_clip=update_clip, gamma=gamma,
