@@ -36,7 +36,7 @@ from aggregator.optimizers import OPTIMIZERS, ServerOptimizer
 from edge_sdk import compress, wire
 from edge_sdk.fixedpoint import FixedPoint
 from edge_sdk.hazmat import graph
-from edge_sdk.mechanisms import ServerHalf, binomial, ddg, update_noise
+from edge_sdk.mechanisms import ServerHalf, binomial, ddg, device_dp, update_noise
 from edge_sdk.round import coordinates, has_mechanism, mechanism_round
 from edge_sdk.wire import GaussianParams, RoundPlan
 from edge_sdk.wire.schema import Record
@@ -103,6 +103,19 @@ class RoundPolicy:
             members (min_survivors - max_colluders, privacy review Q2) over C; ``lr`` is
             the server's FedSGD step; the plan's bits come from these (``bits``, ``scale``,
             ``value_bound``, ``steps``, ``batch_size`` and ``sampling`` are not used).
+        local_noise_multiplier: ``"device-dp"`` only (``edge_sdk.mechanisms.device_dp``):
+            z_l of a local DP-SGD round (per-sample clip ``clip``) when a sample-level
+            local guarantee is wanted too; 0 (default): plain SGD. For ``"device-dp"``,
+            ``update_clip`` is S (required), ``gamma`` (required) the model units per
+            integer step, ``noise_multiplier`` z the target: the noise summed over the
+            honest members (min_survivors - max_colluders) has std z S / gamma;
+            ``wrap_probability`` bounds the sum's wrap per round; ``steps``,
+            ``batch_size``, ``lr``, ``sampling`` the local round; ``sparsity`` rand-k (the
+            plan's bits come from these: ``bits``, ``scale``, ``value_bound`` and
+            ``quant_levels`` are not used).
+        ring_bound: ``"device-dp"`` only: how the plan's bits bound the sum,
+            ``"bounded"`` (default, deterministic) or ``"rotated"`` (the rotation's
+            sub-Gaussian tail: fewer bits; ``device_dp.ring_bits`` says when it holds).
         degree, threshold: SecAgg+ neighbourhood (None: ``secagg`` defaults).
         server_opt, server_lr: server optimizer from ``aggregator.optimizers.OPTIMIZERS``.
         seed: seeds the cohort selection (with the round id).
@@ -137,6 +150,8 @@ class RoundPolicy:
     nominal_samples: float | None = None
     trials: int | None = None
     levels: int | None = None
+    local_noise_multiplier: float = 0.0
+    ring_bound: str = "bounded"
     degree: int | None = None
     threshold: int | None = None
     server_opt: str = "fedavg"
@@ -212,7 +227,12 @@ class RoundPolicy:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be None or an integer >= 1, got {v!r}")
-        own = {"update_clip": ("update-noise", "binomial"), "gamma": ("ddg",),
+        z_l = self.local_noise_multiplier
+        if isinstance(z_l, bool) or not isinstance(z_l, (int, float)) or not (
+                math.isfinite(z_l) and z_l >= 0):
+            raise ValueError(f"local_noise_multiplier must be finite and >= 0, got {z_l!r}")
+        own = {"update_clip": ("update-noise", "binomial", "device-dp"),
+               "gamma": ("ddg", "device-dp"),
                "max_local_samples": ("ddg",), "nominal_samples": ("ddg",),
                "trials": ("binomial",), "levels": ("binomial",)}
         for name, mechs in own.items():
@@ -220,6 +240,25 @@ class RoundPolicy:
                 raise ValueError(f"{name} is a setting of mechanism "
                                  f"{' and '.join(map(repr, mechs))}, but mechanism "
                                  f"is {self.mechanism!r}: remove {name}")
+        if z_l and self.mechanism != "device-dp":
+            raise ValueError(f"local_noise_multiplier is a setting of mechanism 'device-dp', "
+                             f"but mechanism is {self.mechanism!r}: remove it")
+        if self.ring_bound not in device_dp.RING_BOUNDS:
+            raise ValueError(f"ring_bound must be one of {device_dp.RING_BOUNDS}, "
+                             f"got {self.ring_bound!r}")
+        if self.ring_bound != "bounded" and self.mechanism != "device-dp":
+            raise ValueError(f"ring_bound is a setting of mechanism 'device-dp', but "
+                             f"mechanism is {self.mechanism!r}: remove it")
+        if self.mechanism == "device-dp":
+            if self.quant_levels:
+                raise ValueError(f"mechanism 'device-dp' uploads integers, not QSGD: "
+                                 f"quant_levels must be 0, got {self.quant_levels!r}")
+            for name in ("update_clip", "gamma"):
+                if getattr(self, name) is None:
+                    raise ValueError(f"mechanism 'device-dp' needs {name}, got None")
+            if self.update_clip / self.gamma > 2**30:
+                raise ValueError(f"update_clip / gamma must be <= 2^30, got "
+                                 f"{self.update_clip / self.gamma!r}")
         if self.mechanism in ("update-noise", "binomial") and self.sparsity != 1.0:
             raise ValueError(f"mechanism {self.mechanism!r} is dense: sparsity must be 1, "
                              f"got {self.sparsity!r}")
@@ -331,10 +370,26 @@ def _binomial(policy: RoundPolicy, dim: int, cohort_size: int) -> tuple[Record, 
     return params, dim, bits
 
 
+def _device_dp(policy: RoundPolicy, dim: int, cohort_size: int) -> tuple[Record, int, int]:
+    # sigma on the honest shares the devices account and check (privacy review Q2)
+    honest = policy.survivors_needed(cohort_size) - policy.max_colluders
+    assert policy.update_clip is not None and policy.gamma is not None  # __post_init__
+    params, bits, length = device_dp.device_dp_public(
+        steps=policy.steps, batch_size=policy.batch_size, lr=float(policy.lr),
+        sampling=policy.sampling, local_clip=float(policy.clip),
+        local_noise_multiplier=float(policy.local_noise_multiplier),
+        update_clip=float(policy.update_clip), gamma=float(policy.gamma),
+        noise_multiplier=float(policy.noise_multiplier), sparsity=float(policy.sparsity),
+        dim=dim, cohort_size=cohort_size, honest=honest,
+        wrap_probability=policy.wrap_probability, ring_bound=policy.ring_bound)
+    return params, length, bits
+
+
 # How the aggregator states each mechanism's public settings for a round: (policy, d, the
 # cohort's size) -> (the plan's params record, the number of values summed, the ring's bits).
 _PUBLIC: dict[str, Callable[[RoundPolicy, int, int], tuple[Record, int, int]]] = {
-    "gaussian": _gaussian, "update-noise": _update_noise, "ddg": _ddg, "binomial": _binomial}
+    "gaussian": _gaussian, "update-noise": _update_noise, "ddg": _ddg, "binomial": _binomial,
+    "device-dp": _device_dp}
 
 
 def mechanisms() -> tuple[str, ...]:

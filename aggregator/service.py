@@ -215,7 +215,9 @@ class AggregatorConfig:
             mechanism = "ddg"            # default "gaussian"; "update-noise" takes
             gamma = 0.001                # update_clip, clamp_probability; "ddg" needs
             max_local_samples = 500      # gamma and the fleet's public largest and mean
-            nominal_samples = 120.0      # local data sizes (RoundPolicy says which)
+            nominal_samples = 120.0      # local data sizes (RoundPolicy says which);
+                                         # "device-dp" needs update_clip (S) and gamma
+                                         # (local_noise_multiplier: optional DP-SGD)
         """
         data, base = read_toml(path)
         pol_fields = {f.name for f in fields(RoundPolicy)} - {"fleet"}

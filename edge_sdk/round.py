@@ -6,9 +6,11 @@ selects it, and what a simulator does for each cohort member (plan15 §3.3). In 
 1. refuse a round the ledger already holds a reservation for (the device took part before
    a restart: never train or upload twice), a ledger that cannot record a spend, a plan for
    another model version, a mechanism this device does not have, an empty local data set,
-   or a round the budget cannot pay for: each is a :class:`Declined` with the reason the
-   published ``wire.Decline`` carries (``already_committed``, ``ledger``, ``stale_model``,
-   ``mechanism``, ``no_data``, ``budget``);
+   a round whose noise the device finds short of the plan's promise (the mechanism's
+   optional ``refusal``, e.g. device-dp with too few honest shares), or a round the budget
+   cannot pay for: each is a :class:`Declined` with the reason the published
+   ``wire.Decline`` carries (``already_committed``, ``ledger``, ``stale_model``,
+   ``mechanism``, ``no_data``, ``noise``, ``budget``);
 2. **reserve the round's spend in the ledger** (durable when it returns) *before*
    training: every later outcome (the upload, the ``diverged`` decline, silence) may
    depend on the noisy update, and each is then already counted;
@@ -134,9 +136,12 @@ def coordinates(plan: RoundPlan, *, dim: int) -> np.ndarray | None:
     """The round's rand-k coordinate set (``compress.coordinate_set`` from the plan's
     public ``round_seed``), or None for a dense round: one whose mechanism's params have
     no ``sparsity`` or a sparsity of 1."""
-    if getattr(plan.params, "sparsity", 1.0) == 1.0:
+    p = getattr(plan.params, "sparsity", 1.0)
+    if p == 1.0:
         return None
-    return compress.coordinate_set(plan.round_seed, dim, plan.length)
+    # k = kept_count(d, p), not the plan's length: a mechanism may pad what it sums
+    # (device-dp rotates k values padded to a power of two)
+    return compress.coordinate_set(plan.round_seed, dim, compress.kept_count(dim, p))
 
 
 def honest_members(plan: RoundPlan, *, max_colluders: int) -> int:
@@ -210,6 +215,10 @@ def open_round(
     if len(y) == 0:
         return Declined(reason="no_data", detail="the local data set is empty")
     honest = honest_members(plan, max_colluders=max_colluders)
+    refusal = getattr(device, "refusal", None)  # optional (base.DeviceHalf)
+    why = None if refusal is None else refusal(honest=honest)
+    if why is not None:  # e.g. too few honest shares for the promised noise: nothing spent
+        return Declined(reason="noise", detail=why)
     event, aggregate = device.events(m=len(y), honest=honest)
     ledger_plan = Plan(round_id=key, model_id=str(plan.model_version), event=event,
                        aggregate_event=aggregate, cohort_size=plan.min_survivors,

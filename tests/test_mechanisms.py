@@ -23,6 +23,7 @@ from edge_sdk.mechanisms import (
     Binomial,
     Contribution,
     Ddg,
+    DeviceDp,
     Gaussian,
     GaussianRound,
     UpdateNoise,
@@ -80,7 +81,7 @@ def _shards(digits: Any, n: int, size: int = 60) -> list[tuple[np.ndarray, np.nd
 
 def test_registry() -> None:
     assert dict(MECHANISMS) == {"gaussian": Gaussian, "update-noise": UpdateNoise, "ddg": Ddg,
-                                "binomial": Binomial}
+                                "binomial": Binomial, "device-dp": DeviceDp}
     assert Gaussian.name == "gaussian" and Gaussian.Params is wire.GaussianParams
     # every registered mechanism's params can travel in a plan, and nothing else can
     assert set(wire.MECHANISM_PARAMS) == set(MECHANISMS)

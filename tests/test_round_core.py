@@ -59,10 +59,11 @@ class _Source:
 def test_the_policy_names_its_mechanism_and_refuses_one_it_does_not_have() -> None:
     assert ReExported is RoundPolicy
     assert _policy().mechanism == "gaussian"
-    assert mechanisms() == ("binomial", "ddg", "gaussian", "update-noise")
+    assert mechanisms() == ("binomial", "ddg", "device-dp", "gaussian", "update-noise")
     assert set(mechanisms()) <= set(MECHANISMS)
     with pytest.raises(ValueError, match=r"mechanism must be one of "
-                       r"\['binomial', 'ddg', 'gaussian', 'update-noise'\].*'ddg-x'"):
+                       r"\['binomial', 'ddg', 'device-dp', 'gaussian', 'update-noise'\]"
+                       r".*'ddg-x'"):
         _policy(mechanism="ddg-x")
 
 
@@ -245,7 +246,7 @@ DDG = {"mechanism": "ddg", "gamma": 1 / 1024, "max_local_samples": 300,
     ({"mechanism": "update-noise", "clamp_probability": 1.0},
      r"clamp_probability must be in \(0, 1\), got 1.0"),
     ({"update_clip": 1.0}, "update_clip is a setting of mechanism 'update-noise' and "
-                           "'binomial', but mechanism is 'gaussian'"),
+                           "'binomial' and 'device-dp', but mechanism is 'gaussian'"),
     ({**DDG, "gamma": None}, "mechanism 'ddg' needs gamma"),
     ({**DDG, "max_local_samples": None}, "mechanism 'ddg' needs max_local_samples"),
     ({**DDG, "nominal_samples": None}, "mechanism 'ddg' needs nominal_samples"),
@@ -258,7 +259,20 @@ DDG = {"mechanism": "ddg", "gamma": 1 / 1024, "max_local_samples": 300,
     ({**DDG, "wrap_probability": 0.0}, r"wrap_probability must be in \(0, 1\), got 0.0"),
     ({**DDG, "quant_levels": 3}, "mechanism 'ddg' uploads integers, not QSGD: quant_levels "
                                  "must be 0, got 3"),
-    ({**DDG, "mechanism": "update-noise"}, "gamma is a setting of mechanism 'ddg'"),
+    ({**DDG, "mechanism": "update-noise"},
+     "gamma is a setting of mechanism 'ddg' and 'device-dp'"),
+    ({**DDG, "mechanism": "update-noise", "gamma": None},
+     "max_local_samples is a setting of mechanism 'ddg'"),
+    ({"mechanism": "device-dp", "gamma": 0.001}, "mechanism 'device-dp' needs update_clip"),
+    ({"mechanism": "device-dp", "update_clip": 1.0}, "mechanism 'device-dp' needs gamma"),
+    ({"mechanism": "device-dp", "update_clip": 1.0, "gamma": 1e-10},
+     r"update_clip / gamma must be <= 2\^30"),
+    ({"mechanism": "device-dp", "update_clip": 1.0, "gamma": 0.001, "quant_levels": 4},
+     "mechanism 'device-dp' uploads integers, not QSGD"),
+    ({"mechanism": "device-dp", "update_clip": 1.0, "gamma": 0.001,
+      "local_noise_multiplier": -1.0}, "local_noise_multiplier must be finite and >= 0"),
+    ({"local_noise_multiplier": 0.5}, "local_noise_multiplier is a setting of mechanism "
+                                      "'device-dp'"),
 ])
 def test_update_noise_and_ddg_settings_are_checked_by_name(bad: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -50,18 +50,23 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
                    choices=["fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedspa"],
                    help="server optimizer (fedspa: Fed-SPA's adaptive update, eq. (6); "
                         "fedadam/fedyogi/fedadagrad: Reddi et al. 2021)")
-    p.add_argument("--mechanism", choices=["gaussian", "update-noise", "binomial", "ddg"],
+    p.add_argument("--mechanism",
+                   choices=["gaussian", "update-noise", "binomial", "ddg", "device-dp"],
                    help="gaussian: noise every step (default); update-noise: privatized "
                         "FedPAQ, noise once on the clipped update; binomial: cpSGD baseline; "
                         "ddg: FedSGD with distributed discrete Gaussian noise under secure "
-                        "aggregation's sum mod 2^bits")
+                        "aggregation's sum mod 2^bits; device-dp: device-level DP-FedAvg "
+                        "(update clipped to --update-clip, distributed discrete Gaussian; "
+                        "fleet path only)")
     p.add_argument("--ddg-gamma", type=float,
-                   help="ddg: model units per integer step (default: clip / 1024)")
+                   help="ddg, device-dp: model units per integer step (default: clip / 1024; "
+                        "device-dp: update-clip / 1024)")
     p.add_argument("--binomial-trials", type=int, help="binomial: coin flips N per coordinate")
     p.add_argument("--sparsity", type=float, help="kept fraction p of rand-k (default 1)")
     p.add_argument("--quant-levels", type=int, help="QSGD levels s for uploads (0: float32)")
     p.add_argument("--update-clip", type=float,
-                   help="update-noise: L2 bound S on the update (default E*lr*C)")
+                   help="update-noise: L2 bound S on the update (default E*lr*C); "
+                        "device-dp: S (required)")
     p.add_argument("--weighting", choices=["uniform", "samples"])
     p.add_argument("--backend", choices=["onnx", "numpy"])
     p.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default 1)")

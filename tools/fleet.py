@@ -586,7 +586,9 @@ class Fleet:
                              "equal to local wherever uploads are clamped or rounded before "
                              "the sum (gaussian, update-noise); ddg's counts the noise "
                              "shares of min_survivors - max_colluders honest members "
-                             "(KLS 2021 Thm 1, sample-level zero-out)"),
+                             "(KLS 2021 Thm 1, sample-level zero-out); device-dp's is "
+                             "DEVICE-level zero-out over the same honest shares (KLS 2021 "
+                             "Thm 1) and its local one the device's own share alone"),
             "paper_epsilon": None,
             "delta": cfg.delta,
             "bytes_up_total": m.up_packets,
@@ -633,6 +635,7 @@ class Fleet:
 
 def _mechanism_settings(cfg: SimConfig, sizes: list[int]) -> dict[str, Any]:
     """The policy's settings of ``cfg.mechanism`` beyond the shared ones: update-noise's S;
+    device-dp's S and gamma;
     ddg's gamma (``SimConfig.gamma``, as the fast path) and the
     fleet's largest and mean shard sizes (public facts of a simulated fleet); binomial's S,
     trials and grid levels (``quant_levels or 127``, as the fast path)."""
@@ -644,6 +647,8 @@ def _mechanism_settings(cfg: SimConfig, sizes: list[int]) -> dict[str, Any]:
     if cfg.mechanism == "ddg":
         return {"gamma": cfg.gamma, "max_local_samples": max(sizes),
                 "nominal_samples": float(np.mean(sizes))}
+    if cfg.mechanism == "device-dp":
+        return {"update_clip": cfg.update_clip, "gamma": cfg.gamma}
     return {}
 
 

@@ -37,8 +37,13 @@ class SimConfig:
     members min_survivors - max_colluders on the fleet path); ``ddg_gamma`` is model
     units per integer step (None: C / 1024); epsilon is reported at ``delta``.
 
-    The fleet path (``secagg``) runs mechanisms ``gaussian``, ``update-noise`` and ``ddg``
-    (``tools.fleet`` maps these settings onto ``aggregator.round_core.RoundPolicy``)."""
+    The fleet path (``secagg``) runs mechanisms ``gaussian``, ``update-noise``, ``ddg`` and
+    ``device-dp`` (``tools.fleet`` maps these settings onto
+    ``aggregator.round_core.RoundPolicy``). ``device-dp`` (device-level DP-FedAvg,
+    ``edge_sdk.mechanisms.device_dp``) runs on the fleet path only: ``update_clip`` is S
+    (required), ``noise_multiplier`` z the device-level target (the noise summed over the
+    honest members has std z S), ``ddg_gamma`` its granularity (default S /
+    :data:`DDG_SCALE`); the local round is plain SGD."""
 
     dataset: str = "fashion-mnist"
     model: str = "cnn"
@@ -100,18 +105,20 @@ class SimConfig:
             raise ValueError(f"delta must be in (0, 1), got {self.delta!r}")
         if self.weighting not in ("uniform", "samples"):
             raise ValueError(f"weighting must be 'uniform' or 'samples', got {self.weighting!r}")
-        if self.mechanism not in ("gaussian", "update-noise", "binomial", "ddg"):
-            raise ValueError("mechanism must be 'gaussian', 'update-noise', 'binomial' or "
-                             f"'ddg', got {self.mechanism!r}")
+        if self.mechanism not in ("gaussian", "update-noise", "binomial", "ddg", "device-dp"):
+            raise ValueError("mechanism must be 'gaussian', 'update-noise', 'binomial', "
+                             f"'ddg' or 'device-dp', got {self.mechanism!r}")
         if self.server_opt not in OPTIMIZERS:
             raise ValueError(f"server_opt must be one of {sorted(OPTIMIZERS)}, "
                              f"got {self.server_opt!r}")
         if self.quant_levels < 0:
             raise ValueError(f"quant_levels must be >= 0 (0: float32), got {self.quant_levels!r}")
-        if self.mechanism not in ("gaussian", "ddg") and self.sparsity != 1.0:
+        if self.mechanism not in ("gaussian", "ddg", "device-dp") and self.sparsity != 1.0:
             raise ValueError(f"mechanism {self.mechanism!r} is dense: use sparsity 1")
         if self.mechanism == "ddg":
             self.ddg_checks()
+        elif self.mechanism == "device-dp":
+            self.device_dp_checks()
         elif self.ddg_gamma is not None:
             raise ValueError(f"ddg_gamma applies to mechanism 'ddg' only, got mechanism "
                              f"{self.mechanism!r} with ddg_gamma={self.ddg_gamma!r}")
@@ -130,7 +137,24 @@ class SimConfig:
     def gamma(self) -> float:
         """Mechanism ``ddg``'s model units per integer step: ``ddg_gamma``, or C /
         :data:`DDG_SCALE` when unset (both paths)."""
-        return self.ddg_gamma if self.ddg_gamma is not None else self.clip / DDG_SCALE
+        if self.ddg_gamma is not None:
+            return self.ddg_gamma
+        if self.mechanism == "device-dp" and self.update_clip is not None:
+            return self.update_clip / DDG_SCALE  # device-dp scales the update's bound S
+        return self.clip / DDG_SCALE
+
+    def device_dp_checks(self) -> None:
+        """Raise ValueError for settings mechanism ``device-dp`` cannot run (see the class)."""
+        if not self.secagg:
+            raise ValueError("mechanism 'device-dp' runs on the fleet path only (secagg = "
+                             "true or transport 'mqtt')")
+        s = self.update_clip
+        if s is None or not (math.isfinite(s) and s > 0):
+            raise ValueError(f"mechanism 'device-dp' needs update_clip S (the update's L2 "
+                             f"bound, finite > 0), got {s!r}")
+        if self.quant_levels:
+            raise ValueError(f"mechanism 'device-dp' uploads integers mod 2^bits, not QSGD: "
+                             f"quant_levels must be 0, got {self.quant_levels!r}")
 
     def ddg_checks(self) -> None:
         """Raise ValueError for settings mechanism ``ddg`` cannot run (see the module)."""
@@ -164,9 +188,9 @@ class SimConfig:
 
     def fleet_checks(self) -> None:
         """Raise ValueError for settings the fleet path (secure aggregation) cannot run."""
-        if self.mechanism not in ("gaussian", "update-noise", "ddg", "binomial"):
+        if self.mechanism not in ("gaussian", "update-noise", "ddg", "binomial", "device-dp"):
             raise ValueError(f"secure aggregation runs mechanisms 'gaussian', 'update-noise', "
-                             f"'ddg' and 'binomial', got {self.mechanism!r}")
+                             f"'ddg', 'binomial' and 'device-dp', got {self.mechanism!r}")
         if self.weighting != "uniform":
             raise ValueError("secure aggregation sums uniformly: weighting must be 'uniform'")
         if not math.isfinite(self.clip):

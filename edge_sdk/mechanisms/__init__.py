@@ -17,6 +17,7 @@ from edge_sdk.mechanisms.binomial import (
     BinomialServer,
 )
 from edge_sdk.mechanisms.ddg import Ddg, DdgDevice, DdgRound, DdgServer
+from edge_sdk.mechanisms.device_dp import DeviceDp, DeviceDpDevice, DeviceDpRound, DeviceDpServer
 from edge_sdk.mechanisms.gaussian import (
     Gaussian,
     GaussianDevice,
@@ -41,6 +42,10 @@ __all__ = [
     "DdgDevice",
     "DdgRound",
     "DdgServer",
+    "DeviceDp",
+    "DeviceDpDevice",
+    "DeviceDpRound",
+    "DeviceDpServer",
     "DeviceHalf",
     "Gaussian",
     "GaussianDevice",
@@ -54,5 +59,6 @@ __all__ = [
     "UpdateNoiseServer",
 ]
 
-MECHANISMS: Mapping[str, type] = {m.name: m for m in (Gaussian, UpdateNoise, Ddg, Binomial)}
+MECHANISMS: Mapping[str, type] = {m.name: m for m in (Gaussian, UpdateNoise, Ddg, Binomial,
+                                                    DeviceDp)}
 """Mechanism name -> class."""

@@ -87,6 +87,7 @@ __all__ = [
     "CheckIn",
     "BinomialParams",
     "DdgParams",
+    "DeviceDpParams",
     "Decline",
     "EncryptedShare",
     "ErrorNotice",
@@ -281,9 +282,42 @@ class BinomialParams(Record):
     levels: int = Int(1, 1 << 20)
 
 
+@record
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceDpParams(Record):
+    """The ``device-dp`` mechanism's part of a round plan: device-level DP-FedAvg with the
+    distributed discrete Gaussian (``edge_sdk.mechanisms.device_dp``): local steps, the
+    update clipped to S, rotated, scaled, conditionally rounded and noised into the ring.
+
+    Attributes:
+        steps, batch_size, lr, sampling: the local round (tau steps of SGD).
+        local_clip, local_noise_multiplier: local DP-SGD (per-sample clip C, noise std z_l C);
+            ``local_noise_multiplier`` 0 means plain SGD (no per-sample clipping, no noise,
+            ``local_clip`` unused).
+        update_clip: S, the L2 bound of the whole update (model units).
+        gamma: model units per integer step.
+        noise_multiplier: z, the target: the noise summed over the honest members
+            (min_survivors - max_colluders) has std at least z S / gamma (integer scale).
+        sigma: each device's discrete Gaussian parameter (integer scale), calibrated so.
+        sparsity: rand-k kept fraction p (1: dense; the set from the plan's ``round_seed``).
+    """
+
+    steps: int = Int(1, 1 << 20)
+    batch_size: int = Int(1, 1 << 24)
+    lr: float = Float(0.0, open_lo=True)
+    sampling: str = Str(choices=_SAMPLING)
+    local_clip: float = Float(0.0, open_lo=True)
+    local_noise_multiplier: float = Float(0.0)
+    update_clip: float = Float(0.0, open_lo=True)
+    gamma: float = Float(0.0, open_lo=True)
+    noise_multiplier: float = Float(0.0)
+    sigma: float = Float(0.0)
+    sparsity: float = Float(0.0, 1.0, open_lo=True)
+
+
 MECHANISM_PARAMS: Mapping[str, type[Record]] = MappingProxyType({
     "gaussian": GaussianParams, "update-noise": UpdateNoiseParams, "ddg": DdgParams,
-    "binomial": BinomialParams})
+    "binomial": BinomialParams, "device-dp": DeviceDpParams})
 """Each mechanism's parameter record, by the name a plan's ``mechanism`` field carries
 (``edge_sdk.mechanisms.MECHANISMS`` has the same names)."""
 
