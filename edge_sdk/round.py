@@ -7,7 +7,7 @@ selects it, and what a simulator does for each cohort member (plan15 §3.3). In 
    a restart: never train or upload twice), a ledger that cannot record a spend, a plan for
    another model version, a mechanism this device does not have, an empty local data set,
    a round whose noise the device finds short of the plan's promise (the mechanism's
-   optional ``refusal``, e.g. device-dp with too few honest shares), or a round the budget
+   ``refusal``, e.g. device-dp with too few honest shares), or a round the budget
    cannot pay for: each is a :class:`Declined` with the reason the published
    ``wire.Decline`` carries (``already_committed``, ``ledger``, ``stale_model``,
    ``mechanism``, ``no_data``, ``noise``, ``budget``);
@@ -215,8 +215,7 @@ def open_round(
     if len(y) == 0:
         return Declined(reason="no_data", detail="the local data set is empty")
     honest = honest_members(plan, max_colluders=max_colluders)
-    refusal = getattr(device, "refusal", None)  # optional (base.DeviceHalf)
-    why = None if refusal is None else refusal(honest=honest)
+    why = device.refusal(honest=honest)
     if why is not None:  # e.g. too few honest shares for the promised noise: nothing spent
         return Declined(reason="noise", detail=why)
     event, aggregate = device.events(m=len(y), honest=honest)

@@ -284,16 +284,16 @@ def test_device_declines_a_plan_with_too_few_honest_shares(model) -> None:
     assert isinstance(out, Prepared) and out.honest == 4
     agg = out.ledger_plan.aggregate_event
     assert isinstance(agg, DistributedDiscreteGaussian)
-    assert (agg.devices, agg.adjacency, agg.dim) == (4, "zero_out", 1024)
+    assert (agg.devices, agg.adjacency, agg.dim) == (4, "substitution", 1024)
 
 
 def test_events_units_and_adjacency(model) -> None:
     plain = DeviceDpRound.from_plan(_plan(model, _policy()), dim=model["d"])
     local, agg = DeviceDpDevice(plain).events(m=40, honest=4)
     assert isinstance(local, DistributedDiscreteGaussian) and local.devices == 1
-    assert local.adjacency == agg.adjacency == "zero_out"
+    assert local.adjacency == agg.adjacency == "substitution"
     assert agg.sigma == plain.sigma and agg.dim == 1024
-    assert agg.l2_sensitivity == ddp.rounded_l2_bound(1024.0, 1024, ddp.DEFAULT_BETA)
+    assert agg.l2_sensitivity == 2 * ddp.rounded_l2_bound(1024.0, 1024, ddp.DEFAULT_BETA)
     e_local, e_agg = (epsilon_rdp([e], DELTA) for e in (local, agg))
     assert e_agg < e_local < math.inf  # 4 shares beat 1
     dpsgd = DeviceDpRound.from_plan(_plan(model, _policy(local_noise_multiplier=1.1)),
@@ -332,11 +332,12 @@ def _renyi_shift(logp: np.ndarray, shift: int, a: float) -> float:
 @pytest.mark.parametrize(("z", "honest"), [(0.5, 3), (0.6, 2), (1.0, 3)])
 def test_claimed_epsilon_is_not_below_the_exact_worst_case(z: float, honest: int) -> None:
     """d = 4 (k' = 4), S / gamma = 2: D2 = rounded_l2_bound(2, 4, beta) = sqrt(8). Every
-    integer vector v with ||v|| <= D2 (what conditional rounding can send) against 0
-    (zero-out), noise the sum of ``honest`` shares of the device half's sigma (small:
-    KLS's tau term is live). The exact RDP sum_i D_a(v_i + Z || Z) (convolved pmfs, a
-    grid wide enough for the orders' tilt), maximized over v, must be <= the device half's
-    event at every order, and its epsilon <= the event's."""
+    pair of integer vectors v, v' with ||v||, ||v'|| <= D2 (what conditional rounding can
+    send; the device's substitution, which the event states with 2 D2), noise the sum of
+    ``honest`` shares of the device half's sigma (small: KLS's tau term is live). The exact
+    RDP sum_i D_a(v_i - v'_i + Z || Z) (convolved pmfs, a grid wide enough for the orders'
+    tilt), maximized over the pairs, must be <= the device half's event at every order,
+    and its epsilon <= the event's."""
     s, gamma = 2.0, 1.0
     sigma = device_sigma(z, s, gamma, honest)
     rnd = DeviceDpRound.from_plan(dataclasses.replace(
@@ -345,17 +346,21 @@ def test_claimed_epsilon_is_not_below_the_exact_worst_case(z: float, honest: int
             local_noise_multiplier=0.0, update_clip=s, gamma=gamma, noise_multiplier=z,
             sigma=sigma, sparsity=1.0)), dim=4)
     _, event = DeviceDpDevice(rnd).events(m=10, honest=honest)
-    d2 = event.l2_sensitivity
+    d2 = event.l2_sensitivity / 2
+    assert event.adjacency == "substitution"
     assert d2 == pytest.approx(math.sqrt(8)) and event.devices == honest
     orders = (1.5, 2.0, 3.0, 5.0, 8.0)
     top = int(math.floor(d2))
-    half = int(math.ceil(max(orders) * top + 40 * sigma)) + 10
+    half = int(math.ceil(max(orders) * 2 * top + 40 * sigma)) + 10
     logp = _log_pmf_sum(sigma, honest, half)
-    per = {k: np.array([_renyi_shift(logp, k, a) for a in orders]) for k in range(top + 1)}
+    per = {k: np.array([_renyi_shift(logp, k, a) for a in orders]) for k in range(2 * top + 1)}
+    ball = [v for v in itertools.product(range(-top, top + 1), repeat=4)
+            if sum(x * x for x in v) <= d2 * d2]
+    diffs = {tuple(sorted(abs(a - b) for a, b in zip(v, w, strict=True)))
+             for v in ball for w in ball}  # the pmf is symmetric: |difference| per coordinate
     worst = np.zeros(len(orders))
-    for v in itertools.product(range(top + 1), repeat=4):  # |v_i| (the pmf is symmetric)
-        if sum(x * x for x in v) <= d2 * d2:
-            worst = np.maximum(worst, sum(per[x] for x in v))
+    for u in diffs:
+        worst = np.maximum(worst, sum(per[x] for x in u))
     claimed = rdp_of(event, orders)
     assert np.all(claimed >= worst), (claimed, worst)
     assert worst.max() > 0.2 * claimed.max()  # the worst case is a real one, not a straw
@@ -417,8 +422,8 @@ def _check_device_fleet(fleet: Any, summary: dict[str, Any]) -> None:
     assert honest == 3 and length == ddp.padded_dim(d)
     cfg_ddp = ddp.DistributedDP(clip=1.0, gamma=1.0 / 1024, noise="discrete_gaussian",
                                 bits=20, sigma=params.sigma)
-    want_agg = ddp.event(cfg_ddp, honest, d, adjacency="zero_out")
-    want_local = ddp.event(cfg_ddp, 1, d, adjacency="zero_out")
+    want_agg = ddp.event(cfg_ddp, honest, d, adjacency="substitution")
+    want_local = ddp.event(cfg_ddp, 1, d, adjacency="substitution")
     for name in fleet.names:
         res = fleet.ledgers[name].reservations()
         vanished_early = [r["round"] for r in summary["rounds"]

@@ -55,14 +55,13 @@ class Contribution:
 
 
 class DeviceHalf(Protocol):
-    """A mechanism on a device, for one round's parameters.
+    """A mechanism on a device, for one round's parameters."""
 
-    Optionally also ``refusal(*, honest: int) -> str | None``: why the device declines the
-    round before anything is reserved (``edge_sdk.round.open_round`` publishes reason
-    ``"noise"`` with that detail), e.g. device-dp when ``honest`` shares of the plan's
-    noise fall short of the plan's target; None to take part. A half without it never
-    refuses on those grounds.
-    """
+    def refusal(self, *, honest: int) -> str | None:
+        """Why the device declines the round before anything is reserved (``edge_sdk.round.
+        open_round`` publishes reason ``"noise"`` with it), e.g. device-dp when ``honest``
+        shares of the plan's noise fall short of the plan's target; None to take part."""
+        ...
 
     def events(self, *, m: int, honest: int) -> tuple[Event, Event]:
         """(local, aggregate) privacy events of one round over ``m`` local samples with

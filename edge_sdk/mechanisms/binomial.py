@@ -230,6 +230,11 @@ class BinomialDevice:
 
     params: BinomialRound
 
+    def refusal(self, *, honest: int) -> str | None:
+        """None: this mechanism's noise does not depend on the honest count's promise (its
+        events are charged with what ``honest`` gives)."""
+        return None
+
     def events(self, *, m: int, honest: int) -> tuple[Event, Event]:
         """(local, aggregate) events over ``m`` >= 1 samples: :func:`round_event`, the same
         for both views (no credit for the other members' noise)."""

@@ -234,6 +234,11 @@ class DdgDevice:
 
     params: DdgRound
 
+    def refusal(self, *, honest: int) -> str | None:
+        """None: this mechanism's noise does not depend on the honest count's promise (its
+        events are charged with what ``honest`` gives)."""
+        return None
+
     def events(self, *, m: int, honest: int) -> tuple[Event, Event]:
         """(local, aggregate) events of one round, zero-out of one sample: the device's own
         share (devices = 1), and the ``honest`` = min_survivors - max_colluders shares

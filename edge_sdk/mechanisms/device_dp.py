@@ -37,24 +37,31 @@ Privacy (:meth:`DeviceDpDevice.events`). Aggregate event (against whoever sees o
 secure sum): :func:`edge_sdk.ddp.event` with ``devices`` = the honest shares certainly in
 the sum, n = min_survivors - max(plan's, device's max_colluders) (``round.honest_members``;
 the target included; uploads that drop after masking stay in the sum; colluders can
-subtract their own shares), under **zero-out adjacency of one device**: the neighbour is
-the same round with this device's whole rounded update replaced by 0, its noise share still
-in the sum. KLS 2021 Theorem 1 (RDP of the distributed discrete Gaussian,
-``privacy.discrete.rdp_distributed_discrete_gaussian``), D2 and D1 on the integer scale over
-k' coordinates. Assumptions: secure aggregation reveals only the sum to fewer than its
-threshold t of colluders; at most ``max_colluders`` members collude with the aggregator; a
-semi-honest aggregator (it unmasks no fewer than ``min_survivors``: devices refuse to
-unmask fewer, but SecAgg+ neighbourhoods leave that count the aggregator's word). Device
-level add/remove is never stated: an absent device takes its share with it, and the bound
-needs the same summed noise in both neighbours (``ddp.DEVICE_ADD_REMOVE_REFUSAL``). No
-amplification by sampling is claimed (q = 1): the device cannot check the cohort draw.
+subtract their own shares), under **substitution of one device**: the neighbour is the same
+round with this device's data replaced by any other, so its rounded update by any other of
+norm <= D2 (the two differ by at most 2 D2 in L2, 2 D1 in L1), its noise share in the sum
+in both. KLS 2021 Theorem 1 (RDP of the distributed discrete Gaussian,
+``privacy.discrete.rdp_distributed_discrete_gaussian``), on the integer scale over k'
+coordinates. Why substitution and not the tighter device-level zero-out (neighbour: the
+update replaced by 0, D2): the ledger states its figures per sample (zero-out of one
+record), and one sample's change moves a clipped update after tau steps by up to 2 S, not
+S, so a zero-out figure at D2 would read LOW as a sample-level one; substitution of the
+device covers every change to its data, a sample's included. Labelling the tighter
+device-level zero-out figure as its own unit is issue 16's ledger part. Assumptions:
+secure aggregation reveals only the sum to fewer than its threshold t of colluders; at most
+``max_colluders`` members collude with the aggregator; a semi-honest aggregator (it unmasks
+no fewer than ``min_survivors``: devices refuse to unmask fewer, but SecAgg+ neighbourhoods
+leave that count the aggregator's word). Device level add/remove is never stated: an
+absent device takes its share with it, and the bound needs the same summed noise in both
+neighbours (``ddp.DEVICE_ADD_REMOVE_REFUSAL``). No amplification by sampling is claimed
+(q = 1): the device cannot check the cohort draw.
 
 Local event (against whoever sees one upload): with local DP-SGD, its sample-level event
 (``train.round_event``: the Poisson-subsampled Gaussian, tau steps); the upload is
-post-processing of the DP-SGD output. Without it, the sample-level local guarantee is
-none, but the upload still carries the device's own noise share, so the local event is the
-same device-level zero-out event with devices = 1 (KLS Theorem 1 at n = 1: the discrete
-Gaussian mechanism of CKS 2020; weak, since sigma is the target over sqrt(n), but sound and
+post-processing of the DP-SGD output. Without it, the upload still carries the device's
+own noise share, so the local event is the same device substitution event with
+devices = 1 (KLS Theorem 1 at n = 1: the discrete Gaussian mechanism of CKS 2020; weak,
+since sigma is the target over sqrt(n), but sound for any change of the device's data and
 finite: the device ledger's budget, checked on the local view, can then pay for it).
 
 Declining (:meth:`DeviceDpDevice.refusal`): before anything is reserved or trained, the
@@ -349,14 +356,16 @@ class DeviceDpDevice:
 
     def events(self, *, m: int, honest: int) -> tuple[Event, Event]:
         """(local, aggregate) events of one round (module docstring): the aggregate one
-        device-level zero-out with ``honest`` shares; the local one DP-SGD's sample-level
-        event over ``m`` samples, or, with plain SGD, the device-level event of the
-        device's own share (devices = 1)."""
+        the device's substitution with ``honest`` shares; the local one DP-SGD's
+        sample-level event over ``m`` samples, or, with plain SGD, the device substitution
+        event of the device's own share (devices = 1)."""
         p = self.params
         cfg = p.encoding
 
         def ev(devices: int) -> Event:
-            return ddp.event(cfg, devices, p.kept, adjacency="zero_out")
+            # substitution (2 D2), not zero-out (D2): the ledger reads its figures per
+            # sample, and a sample moves the clipped update by up to 2 S (module docstring)
+            return ddp.event(cfg, devices, p.kept, adjacency="substitution")
 
         local = round_event(m, p.training) if p.training.noise_multiplier > 0 else ev(1)
         return local, ev(honest)

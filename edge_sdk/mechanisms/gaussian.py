@@ -102,6 +102,11 @@ class GaussianDevice:
 
     params: GaussianRound
 
+    def refusal(self, *, honest: int) -> str | None:
+        """None: this mechanism's noise does not depend on the honest count's promise (its
+        events are charged with what ``honest`` gives)."""
+        return None
+
     def events(self, *, m: int, honest: int) -> tuple[Event, Event]:
         """(local, aggregate) events over ``m`` samples; the aggregate one is the local
         one (linear_sum=False, see the module docstring)."""
