@@ -112,7 +112,7 @@ def test_aggregator_toml_refuses_a_mechanism_it_does_not_have(enrolled) -> None:
     assert "[policy]" in text
     path.write_text(text.replace("[policy]", '[policy]\nmechanism = "no-such"', 1))
     with pytest.raises(ConfigError, match=r"mechanism must be one of "
-                       r"\['ddg', 'device-dp', 'gaussian', 'update-noise'\].*'no-such'"):
+                       r"\['binomial', 'ddg', 'device-dp', 'gaussian', 'update-noise'\].*'no-such'"):
         AggregatorConfig.from_toml(path)
     path.write_text(text.replace("[policy]", '[policy]\nmechanism = "gaussian"', 1))
     assert AggregatorConfig.from_toml(path).policy.mechanism == "gaussian"
