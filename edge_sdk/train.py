@@ -22,18 +22,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from edge_sdk.engine import Engine
 from edge_sdk.errors import EdgeError
-from edge_sdk.privacy.binomial import CpsgdBinomial
 from edge_sdk.privacy.events import (
     Gaussian,
     PoissonSubsampledGaussian,
     SampledWithoutReplacementGaussian,
 )
+
+if TYPE_CHECKING:
+    from edge_sdk.privacy.binomial import CpsgdBinomial
 
 __all__ = [
     "LocalResult",
@@ -398,8 +400,10 @@ def local_round_binomial(
     The device runs it through :mod:`edge_sdk.mechanisms.binomial` (its ledger event
     :class:`~edge_sdk.privacy.events.Binomial`).
     """
-    # Imported here: compress pulls in `cryptography`, which the plain DP-SGD path never needs.
+    # Imported here: compress pulls in `cryptography`, which the plain DP-SGD path never needs,
+    # and the binomial mechanism is simulation-only (a device never loads its accountant).
     from edge_sdk.compress import binomial_noise
+    from edge_sdk.privacy.binomial import CpsgdBinomial
 
     if trials < 2 or trials % 2 or levels < 1:
         raise ValueError(f"need an even trials >= 2 and levels >= 1, got {trials}, {levels}")

@@ -30,13 +30,8 @@ Units throughout: epsilon in nats at a stated delta; ``noise_multiplier`` z is n
 divided by L2 sensitivity; RDP in nats per order.
 """
 
-from edge_sdk.privacy.aggregate import aggregate_event
-from edge_sdk.privacy.calibration import calibrate_noise_multiplier, epsilon_for
-from edge_sdk.privacy.discrete import (
-    ddg_tau,
-    rdp_distributed_discrete_gaussian,
-    rdp_distributed_skellam,
-)
+from typing import Any
+
 from edge_sdk.privacy.events import (
     ADJACENCIES,
     IGNORES_NULL_RECORD,
@@ -53,27 +48,6 @@ from edge_sdk.privacy.events import (
     UnsupportedEventError,
     adjacencies_of,
     restate,
-)
-from edge_sdk.privacy.pld import DiscretePld, PldAccountant, discretize_subsampled_gaussian
-from edge_sdk.privacy.rdp import (
-    DEFAULT_ORDERS,
-    RdpAccountant,
-    compute_rdp,
-    discrete_epsilon,
-    rdp_gaussian,
-    rdp_of,
-    rdp_poisson_subsampled_gaussian,
-    rdp_sampled_without_replacement_gaussian,
-    rdp_to_epsilon,
-    rdp_to_epsilon_classic,
-)
-from edge_sdk.privacy.zcdp import (
-    ZcdpAccountant,
-    compute_rho,
-    gaussian_rho,
-    rho_to_epsilon,
-    rho_to_epsilon_bun_steinke,
-    rho_to_epsilon_cks,
 )
 
 __all__ = [
@@ -118,3 +92,48 @@ __all__ = [
     "rho_to_epsilon_bun_steinke",
     "rho_to_epsilon_cks",
 ]
+
+# The events (the data every module here speaks) load with the package; the accountants and
+# the rest on first use (PEP 562). A device's training step needs only the events, and the
+# accountants' modules (with calibration and zCDP, which a device never calls) were a fifth
+# of the device stack's own import time (issue 15's bench, tools/bench/stacks.py).
+_LAZY: dict[str, str] = {
+    "aggregate_event": "aggregate",
+    "calibrate_noise_multiplier": "calibration",
+    "epsilon_for": "calibration",
+    "ddg_tau": "discrete",
+    "rdp_distributed_discrete_gaussian": "discrete",
+    "rdp_distributed_skellam": "discrete",
+    "DiscretePld": "pld",
+    "PldAccountant": "pld",
+    "discretize_subsampled_gaussian": "pld",
+    "DEFAULT_ORDERS": "rdp",
+    "RdpAccountant": "rdp",
+    "compute_rdp": "rdp",
+    "discrete_epsilon": "rdp",
+    "rdp_gaussian": "rdp",
+    "rdp_of": "rdp",
+    "rdp_poisson_subsampled_gaussian": "rdp",
+    "rdp_sampled_without_replacement_gaussian": "rdp",
+    "rdp_to_epsilon": "rdp",
+    "rdp_to_epsilon_classic": "rdp",
+    "ZcdpAccountant": "zcdp",
+    "compute_rho": "zcdp",
+    "gaussian_rho": "zcdp",
+    "rho_to_epsilon": "zcdp",
+    "rho_to_epsilon_bun_steinke": "zcdp",
+    "rho_to_epsilon_cks": "zcdp",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(__import__(f"{__name__}.{module}", fromlist=[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

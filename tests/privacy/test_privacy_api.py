@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import ast
+import json
 import pathlib
+import subprocess
+import sys
+
+import pytest
 
 import edge_sdk.privacy as privacy
 
@@ -43,3 +48,25 @@ def test_device_path_imports_numpy_and_stdlib_only() -> None:
             else:
                 continue
             assert roots <= allowed, f"{path.name} imports {roots - allowed}"
+
+
+def test_training_loads_only_the_events_and_the_rest_on_first_use() -> None:
+    # edge_sdk.privacy loads its accountants lazily (PEP 562): a device's training step needs
+    # the events only; the first use of an accountant's name loads its module, once.
+    code = ("import json, sys; import edge_sdk.train; "
+            "before = sorted(m for m in sys.modules if m.startswith('edge_sdk.privacy')); "
+            "from edge_sdk.privacy import RdpAccountant; import edge_sdk.privacy as p; "
+            "print(json.dumps([before, RdpAccountant.__module__, p.RdpAccountant is RdpAccountant,"
+            " 'edge_sdk.privacy.pld' in sys.modules]))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parents[1],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    before, where, same, pld = json.loads(done.stdout)
+    assert before == ["edge_sdk.privacy", "edge_sdk.privacy.events"]
+    assert (where, same, pld) == ("edge_sdk.privacy.rdp", True, False)
+
+
+def test_a_name_the_package_lacks_is_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchAccountant'"):
+        _ = privacy.NoSuchAccountant
+    assert set(privacy.__all__) <= set(dir(privacy))
