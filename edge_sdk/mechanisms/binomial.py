@@ -70,6 +70,7 @@ __all__ = [
     "encode",
     "ring_bits",
     "round_event",
+    "value_bound",
 ]
 
 MAX_TRIALS = 1 << 20
