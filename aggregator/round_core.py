@@ -77,7 +77,9 @@ class RoundPolicy:
         max_rounds: stop starting rounds after this many (None: never stop).
         mechanism: what each device adds to the sum and what the sum means: a name of
             :func:`mechanisms` (default ``"gaussian"``); the settings below are its.
-        steps, batch_size, lr, sampling, clip, noise_multiplier: the local round.
+        steps, batch_size, lr, sampling, clip, noise_multiplier: the local round (clip
+            inf only without noise: a non-private baseline, which only a simulation's
+            unlimited ledger can run).
         sparsity: rand-k kept fraction p; quant_levels: QSGD levels (0: none).
         bits: ring size of the secure sum; value_bound: each uploaded value is clamped to
             [-value_bound, value_bound]; scale: fixed-point scale (None: the largest for
@@ -156,8 +158,11 @@ class RoundPolicy:
                              f"this aggregator can plan), got {self.mechanism!r}")
         if self.sampling not in ("poisson", "shuffle"):
             raise ValueError(f"sampling must be 'poisson' or 'shuffle', got {self.sampling!r}")
-        if not (math.isfinite(self.clip) and self.clip > 0):
-            raise ValueError(f"clip must be finite and > 0, got {self.clip!r}")
+        if not (self.clip > 0 and (math.isfinite(self.clip) or self.noise_multiplier == 0)):
+            # inf only for a non-private baseline (no noise: epsilon inf, which no device
+            # budget can pay; a simulator's unlimited Book only, plan15 R5)
+            raise ValueError(f"clip must be finite and > 0 (inf only with noise_multiplier "
+                             f"0), got {self.clip!r}")
         if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
             raise ValueError(
                 f"noise_multiplier must be finite and >= 0, got {self.noise_multiplier!r}")
