@@ -12,7 +12,7 @@ simulator (over ``aggregator.plain_sum.PlainSum``) run a round with the same thr
                                                                          the new model
 
 The randomness is fixed by the plan's inputs alone: the cohort is
-``aggregator.fedavg.select_cohort`` (seeded by the public ``policy.seed`` and the round),
+:func:`select_cohort` (seeded by the public ``policy.seed`` and the round),
 and the only draws from ``random_bytes`` are :func:`round_secrets`' two per round, in
 order. A simulator that replays a seeded source therefore replays the fleet's rounds.
 
@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 
-from aggregator.fedavg import select_cohort
 from aggregator.optimizers import OPTIMIZERS, ServerOptimizer
 from edge_sdk import compress, wire
 from edge_sdk.fixedpoint import FixedPoint
@@ -51,6 +50,7 @@ __all__ = [
     "mechanism_params",
     "mechanisms",
     "round_secrets",
+    "select_cohort",
     "server_half",
 ]
 
@@ -247,6 +247,26 @@ class RoundPolicy:
         # value_bound * scale can push the sum across the sign bit
         cohort_bits = (self.cohort_size - 1).bit_length()
         return min(2.0 ** (self.bits - 3 - cohort_bits), 2.0**52) / self.value_bound
+
+
+def select_cohort(names: Sequence[str], size: int, *, seed: int,
+                  round_id: int) -> tuple[str, ...]:
+    """``size`` distinct names out of ``names``, uniformly without replacement (zCDP paper
+    Alg. 1 line 2), sorted.
+
+    The draw is ``default_rng([seed, round_id]).choice`` over the names in sorted order, so
+    it depends only on the seed, the round and the set of names: the round machine's cohort
+    (``RoundPolicy.seed``; a deployment's seed is public, the cohort is not secret) and the
+    fast simulator's are the same draw.
+    """
+    pool = sorted(names)
+    if len(set(pool)) != len(pool):
+        raise ValueError(f"device names must be distinct, got {len(pool)} names with repeats")
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= len(pool):
+        raise ValueError(f"cohort size must be an integer in [1, {len(pool)}] (the names "
+                         f"given), got {size!r}")
+    rng = np.random.default_rng([seed, round_id])
+    return tuple(sorted(pool[i] for i in rng.choice(len(pool), size, replace=False)))
 
 
 def round_secrets(random_bytes: Callable[[int], bytes]) -> tuple[bytes, bytes]:

@@ -50,7 +50,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
                    choices=["fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedspa"],
                    help="server optimizer (fedspa: Fed-SPA's adaptive update, eq. (6); "
                         "fedadam/fedyogi/fedadagrad: Reddi et al. 2021)")
-    p.add_argument("--mechanism", choices=["gaussian", "update-noise", "binomial", "ddg"],
+    from tools.simconfig import MECHANISM_NAMES
+
+    p.add_argument("--mechanism", choices=MECHANISM_NAMES,
                    help="gaussian: noise every step (default); update-noise: privatized "
                         "FedPAQ, noise once on the clipped update; binomial: cpSGD baseline; "
                         "ddg: FedSGD with distributed discrete Gaussian noise under secure "

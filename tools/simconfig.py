@@ -21,12 +21,20 @@ import numpy as np
 
 from aggregator.optimizers import OPTIMIZERS
 from aggregator.round_core import RoundPolicy
+from edge_sdk.mechanisms import MECHANISMS
 from edge_sdk.train import LocalTraining
 from tools.datasets import DATASETS
 from tools.partition import parse_scheme
 
-__all__ = ["DDG_SCALE", "FLEET_BUDGET_EPSILON", "FLEET_NAME", "SimConfig", "load_config",
-           "round_policy"]
+__all__ = ["DDG_SCALE", "FLEET_BUDGET_EPSILON", "FLEET_NAME", "MECHANISM_NAMES",
+           "SIMULATION_ONLY", "SimConfig", "load_config", "round_policy"]
+
+SIMULATION_ONLY: tuple[str, ...] = ("binomial",)
+"""Mechanisms only the fast path runs (no device half in ``edge_sdk.mechanisms``): cpSGD's
+binomial baseline (decision R6, ``tools.simulate``)."""
+
+MECHANISM_NAMES: tuple[str, ...] = (*sorted(MECHANISMS), *SIMULATION_ONLY)
+"""Every ``mechanism`` a config may name: the registered ones, then the simulation-only."""
 
 FLEET_NAME = "sim"
 """The fleet name of every simulated fleet (topics ``fedge/sim/...``, ledger round names)."""
@@ -121,9 +129,9 @@ class SimConfig:
             raise ValueError(f"weighting must be 'uniform', got {self.weighting!r} (the sum "
                              "is unweighted: weights by data size would reveal each "
                              "device's m)")
-        if self.mechanism not in ("gaussian", "update-noise", "binomial", "ddg"):
-            raise ValueError("mechanism must be 'gaussian', 'update-noise', 'binomial' or "
-                             f"'ddg', got {self.mechanism!r}")
+        if self.mechanism not in MECHANISM_NAMES:
+            raise ValueError(f"mechanism must be one of {list(MECHANISM_NAMES)}, "
+                             f"got {self.mechanism!r}")
         if self.server_opt not in OPTIMIZERS:
             raise ValueError(f"server_opt must be one of {sorted(OPTIMIZERS)}, "
                              f"got {self.server_opt!r}")
@@ -190,9 +198,9 @@ class SimConfig:
 
     def fleet_checks(self) -> None:
         """Raise ValueError for settings the fleet path (secure aggregation) cannot run."""
-        if self.mechanism not in ("gaussian", "update-noise", "ddg"):
-            raise ValueError(f"secure aggregation runs mechanisms 'gaussian', 'update-noise' "
-                             f"and 'ddg' (binomial is simulation-only), got "
+        if self.mechanism in SIMULATION_ONLY:
+            raise ValueError(f"secure aggregation runs mechanisms {sorted(MECHANISMS)} "
+                             f"({self.mechanism} is simulation-only), got "
                              f"{self.mechanism!r}")
         if not math.isfinite(self.clip):
             raise ValueError("secure aggregation needs a finite clip (the devices' ledgers "
