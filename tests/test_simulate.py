@@ -27,6 +27,23 @@ def test_noiseless_fleet_learns_digits() -> None:
     # per upload: one signed masked_part (64-byte signature, 32-byte digest, envelope) and
     # its MQTT header, about 223 bytes (protocol 4 and 5; the unsigned v2 update was below 200)
     assert 8 * 5 * 200 < out["bytes_up_overhead"] < 8 * 5 * 256
+    assert out["bytes_up_packed_no_secagg_per_upload"] == 4 * out["num_params"]
+    # the fleet's per-round rows: every round completed by all 5, nothing dropped
+    assert [(r["completed"], r["survivors"], r["dropped"]) for r in out["rounds"]] == [
+        (True, 5, {})] * 8
+    assert out["model_version"] == 8 and out["ring_bits"] == 32
+
+
+def test_qsgd_values_travel_at_the_rings_width() -> None:
+    """Additive masking needs the ring's width (plan15 R2): QSGD no longer shrinks the
+    upload; the packed size is reported beside it, labelled."""
+    from edge_sdk.compress import packed_size
+
+    out = simulate(SimConfig(**{**FAST, "rounds": 2, "clip": 1.0, "noise_multiplier": 1.0,
+                                "quant_levels": 7}))
+    d = out["num_params"]
+    assert out["bytes_up_payload"] == out["device_rounds"] * 4 * d
+    assert out["bytes_up_packed_no_secagg_per_upload"] == packed_size(d, 7) < 4 * d
 
 
 def test_private_fleet_reports_growing_finite_epsilon() -> None:

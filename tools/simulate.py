@@ -40,7 +40,10 @@ delta); cpSGD's Theorem 1 only as the labelled ``paper_epsilon``.
 
 Uploads are the plan's ``length`` ring values of ``bits`` each, counted with their real
 framing (``wire.upload_sizes``: signed masked parts under MQTT v5 headers), for every
-device that uploaded.
+device that uploaded. Additive masking needs the ring's width, so QSGD levels no longer
+shrink an upload; ``bytes_up_packed_no_secagg_per_upload`` is what gaussian's and
+update-noise's values would take packed in the clear (float32 or QSGD symbols), a labelled
+comparison (plan15 R2).
 """
 
 from __future__ import annotations
@@ -320,7 +323,9 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
             config = replace(config, bits=cpsgd.bits)
         model_bytes = wire_encode(replace(ModelUpdate.of(version=version, round_id=rnd,
                                                          params=params), sig=bytes(64)))
-        vanished = dict(schedule.victims(rnd, cohort)) if schedule is not None else {}
+        dropped = dict(schedule.victims(rnd, cohort)) if schedule is not None else {}
+        vanished = dict(dropped)  # and, to the sum, the devices that declined
+        declined: list[str] = []
         values: dict[str, np.ndarray] = {}
         reserved: dict[str, Any] = {}
         losses: list[float] = []
@@ -345,11 +350,11 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
                                  engine=engine, dim=d, round_rng=round_rngs[n],
                                  max_colluders=cfg.max_colluders)
                 if isinstance(got, Declined):
-                    if got.reservation is None:  # declined before training: no keys
-                        vanished[n] = "keys"
+                    declined.append(n)
+                    vanished[n] = "keys"  # a declined device never advertises keys
+                    if got.reservation is None:  # declined before training
                         continue
-                    loss = math.nan
-                    vanished[n] = "keys"  # diverged: reserved, never advertised
+                    loss = math.nan  # diverged: reserved and trained
                 else:
                     c = got.contribution
                     values[n] = c.values
@@ -411,7 +416,8 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
         rounds.append({"round": rnd, "completed": agg.failed is None,
                        "detail": agg.failed or "", "cohort": len(cohort),
                        "survivors": len(survivors) if agg.failed is None else 0,
-                       "dropped": dict(sorted(vanished.items())), "model_version": version,
+                       "dropped": dict(sorted(dropped.items())), "declined": declined,
+                       "model_version": version,
                        "accuracy": acc, "epsilon_local": finite(eps),
                        "epsilon_aggregate": finite(agg_eps),
                        "bytes": {"up_payload": bytes_up_payload - before[0],
@@ -476,6 +482,12 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
         "bytes_up_per_upload": ((bytes_up_payload + bytes_up_overhead) / uploads
                                 if uploads else None),
         "bytes_up_float32_per_upload": 4 * d,
+        # plan15 R2: additive masking needs the ring's width, so QSGD no longer shrinks an
+        # upload; what its values would take packed in the clear, labelled, for comparison
+        "bytes_up_packed_no_secagg_per_upload": (
+            compress.packed_size(k, cfg.quant_levels) if cfg.quant_levels
+            and cfg.mechanism in ("gaussian", "update-noise") else
+            4 * k if cfg.mechanism in ("gaussian", "update-noise") else None),
         "bytes_down_total": bytes_down,
         "bytes_per_round": bytes_hist,
         "kept_coordinates": k,
