@@ -52,6 +52,7 @@ __all__ = [
     "round_secrets",
     "select_cohort",
     "server_half",
+    "short_of_survivors",
 ]
 
 
@@ -380,6 +381,20 @@ def draw_plan(policy: RoundPolicy, *, round_id: int, model_version: int,
         length=length, nonce=nonce, degree=degree,
         threshold=policy.config_threshold(degree), min_survivors=policy.survivors_needed(n),
         max_colluders=policy.max_colluders, stage_timeout=float(policy.stage_timeout))
+
+
+def short_of_survivors(stage: str, answered: int, *, min_survivors: int,
+                       why: str = "all answered") -> str | None:
+    """Why a round fails when ``answered`` devices answered collecting stage ``stage``
+    (a ``ServerStage`` value before the unmask stage) by the time it closes (``why``), or
+    None: fewer than the plan's ``min_survivors`` (the devices' aggregate view is
+    accounted on at least that many, and they refuse to unmask fewer). The round machine
+    checks it before secure aggregation closes the stage; the fast simulator with
+    ``PlainSum.answered``."""
+    if answered < min_survivors:
+        return (f"{stage}: {answered} devices answered by the {why}, "
+                f"below min_survivors {min_survivors}")
+    return None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -69,6 +69,26 @@ def test_fast_simulator_and_inproc_fleet_give_the_same_model(
     assert fast["epsilon_aggregate"] == fleet["epsilon_aggregate"]
 
 
+def test_the_round_machines_min_survivors_fails_the_same_rounds(
+        tmp_path: Path, digits: Any, engine: Any) -> None:
+    """min_survivors = the whole cohort: a round in which someone vanishes before the
+    unmask stage fails on both paths, with the round machine's words (the fast path judges
+    PlainSum's counts with ``round_core.short_of_survivors``, as the machine does)."""
+    cfg = _config("gaussian", min_survivors=6, max_colluders=0, rounds=4)
+    fast = simulate(cfg)
+    fleet, ledgers = _fleet(replace(cfg, secagg=True), tmp_path, digits, engine)
+
+    def rows(s: dict[str, Any]) -> list[tuple[Any, ...]]:
+        return [(r["round"], r["completed"], r["detail"], r["survivors"], r["dropped"])
+                for r in s["rounds"]]
+
+    assert rows(fast) == rows(fleet)
+    assert any("below min_survivors 6" in r["detail"] for r in fast["rounds"])
+    assert any(r["completed"] for r in fast["rounds"])
+    assert fast["model_sha256"] == fleet["model_sha256"]
+    _same_ledgers(fast, ledgers)
+
+
 def test_a_different_dropout_seed_gives_another_model() -> None:
     """The equality above is not vacuous: the model depends on who drops out."""
     a = simulate(_config("gaussian"))

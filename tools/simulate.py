@@ -14,8 +14,10 @@
   mechanism from ``edge_sdk.mechanisms.MECHANISMS`` and its round rng from the fleet's
   per-device seed; a declined device is, to the sum, one that never advertised keys;
 * ``PlainSum`` decides the survivors (or the failure) as SecAgg+ would and sums their ring
-  values; ``round_core.finish`` decodes with the mechanism's server half and applies the
-  server optimizer. A failed round leaves the model as it was.
+  values, after the round machine's own rule (``round_core.short_of_survivors``: fewer
+  than the plan's min_survivors answering a stage fails the round); ``round_core.finish``
+  decodes with the mechanism's server half and applies the server optimizer. A failed
+  round leaves the model as it was.
 
 So with the same config and seeds, this path, the in-process fleet and the MQTT fleet
 (``tools.fleet``) give the same final model (``model_sha256``) and the same ledgers
@@ -61,7 +63,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from aggregator.optimizers import OPTIMIZERS
-from aggregator.plain_sum import PlainSum
+from aggregator.plain_sum import STAGES, PlainSum
 from aggregator.round_core import (
     RoundPolicy,
     draw_cohort,
@@ -69,6 +71,7 @@ from aggregator.round_core import (
     finish,
     round_secrets,
     server_half,
+    short_of_survivors,
 )
 from edge_sdk import compress
 from edge_sdk.csprng import seeded_round_rng
@@ -376,8 +379,21 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
                 bytes_up_payload += payload
                 bytes_up_overhead += overhead
         agg = PlainSum.for_config(config, vanished=vanished)
+        # the round machine's rule at each stage reached, before secure aggregation's
+        # (declines are answers to the round machine: they do not hold a stage open)
+        shorts = [short_of_survivors(stage, got, min_survivors=plan.min_survivors,
+                                     why="all answered" if got == asked - (
+                                         len(declined) if stage == "collect_keys" else 0)
+                                     else "deadline")
+                  for stage, got, asked in agg.answered]
+        short = next((i for i, why in enumerate(shorts) if why), None)
+        failed = shorts[short] if short is not None else agg.failed
+        # the stages the round opened: a victim of a later one never got to vanish
+        opened = (short + 1 if short is not None else len(STAGES)
+                  if failed is None or agg.survivors else len(agg.answered))
+        dropped = {n: st for n, st in dropped.items() if STAGES.index(st) < opened}
         survivors = agg.survivors
-        if agg.failed is None:
+        if failed is None:
             for n in survivors:
                 agg.add(n, values[n])
             total = agg.total()
@@ -392,7 +408,7 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
                           optimizer=optimizer, opt_state=opt_state)
             params, opt_state = done.params, done.opt_state
             version += 1
-        total_sha = None if agg.failed is not None else sum_sha256(total)
+        total_sha = None if failed is not None else sum_sha256(total)
         if cpsgd is not None:  # the restricted-RDP bound (not cpSGD Thm 1)
             eps = agg_eps = max((restricted_rdp_epsilon(binom_rdp[n], BINOMIAL_ORDERS,
                                                         binom_delta0[n], cfg.delta)
@@ -413,9 +429,9 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
         agg_hist.append(agg_eps)
         up = bytes_up_payload + bytes_up_overhead - before[0] - before[1]
         # the fleet's row (tools.fleet), where the fast path has the figure
-        rounds.append({"round": rnd, "completed": agg.failed is None,
-                       "detail": agg.failed or "", "cohort": len(cohort),
-                       "survivors": len(survivors) if agg.failed is None else 0,
+        rounds.append({"round": rnd, "completed": failed is None,
+                       "detail": failed or "", "cohort": len(cohort),
+                       "survivors": len(survivors) if failed is None else 0,
                        "dropped": dict(sorted(dropped.items())), "declined": declined,
                        "model_version": version,
                        "accuracy": acc, "epsilon_local": finite(eps),
