@@ -18,7 +18,8 @@ from tools.simconfig import SimConfig, load_config
 from tools.simulate import simulate
 
 CONFIG = Path(__file__).parents[1] / "tools" / "configs" / "onepath.toml"
-MECHANISMS = {"gaussian": {}, "update-noise": {"mechanism": "update-noise"},
+MECHANISMS = {"gaussian": {}, "gaussian-randk-qsgd": {"sparsity": 0.1, "quant_levels": 7},
+              "update-noise": {"mechanism": "update-noise"},
               "ddg": {"mechanism": "ddg", "local_steps": 1}}
 
 
@@ -99,6 +100,7 @@ def test_a_different_dropout_seed_gives_another_model() -> None:
 @pytest.mark.broker
 @pytest.mark.parametrize("mechanism", [
     "gaussian",
+    pytest.param("gaussian-randk-qsgd", marks=pytest.mark.slow),
     pytest.param("update-noise", marks=pytest.mark.slow),
     pytest.param("ddg", marks=pytest.mark.slow),
 ])
