@@ -7,6 +7,7 @@ same spend."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,9 @@ def test_fast_simulator_and_inproc_fleet_give_the_same_model(
     assert fast["model_sha256"] == fleet["model_sha256"]
     _same_ledgers(fast, ledgers)
     assert fast["epsilon_aggregate"] == fleet["epsilon_aggregate"]
+    # each survivor uploaded the plan's length of ring values, bit-packed at its width
+    assert fast["rounds_failed"] == 0 and fast["bytes_up_payload"] == fast[
+        "device_rounds"] * math.ceil(fast["kept_coordinates"] * fast["ring_bits"] / 8)
 
 
 def test_the_round_machines_min_survivors_fails_the_same_rounds(

@@ -94,6 +94,18 @@ def test_cli_writes_the_json_summary(tmp_path, capsys) -> None:
     assert "final accuracy" in capsys.readouterr().out
 
 
+def test_cli_offers_every_mechanism_a_config_can_name(capsys) -> None:
+    from tools.simconfig import MECHANISM_NAMES
+
+    with pytest.raises(SystemExit):
+        main(["simulate", "--mechanism", "no-such", "--quiet"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'no-such'" in err
+    offered = err.split("choose from", 1)[1]
+    assert all(repr(m) in offered or m in offered for m in MECHANISM_NAMES)
+    assert offered.count(",") == len(MECHANISM_NAMES) - 1
+
+
 def test_cli_bad_setting_is_a_clear_error(capsys) -> None:
     assert main(["simulate", "--participation", "1.5", "--quiet"]) == 2
     assert "participation must be in (0, 1]" in capsys.readouterr().err

@@ -50,9 +50,11 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
                    choices=["fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedspa"],
                    help="server optimizer (fedspa: Fed-SPA's adaptive update, eq. (6); "
                         "fedadam/fedyogi/fedadagrad: Reddi et al. 2021)")
-    from tools.simconfig import MECHANISM_NAMES
+    # edge_sdk's registry, not tools.simconfig's MECHANISM_NAMES (the same names): the CLI
+    # of a device install (fedge doctor) must not import the aggregator package
+    from edge_sdk.mechanisms import MECHANISMS
 
-    p.add_argument("--mechanism", choices=MECHANISM_NAMES,
+    p.add_argument("--mechanism", choices=[*sorted(MECHANISMS), "binomial"],
                    help="gaussian: noise every step (default); update-noise: privatized "
                         "FedPAQ, noise once on the clipped update; binomial: cpSGD baseline; "
                         "ddg: FedSGD with distributed discrete Gaussian noise under secure "

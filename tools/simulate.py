@@ -65,11 +65,11 @@ import numpy as np
 from aggregator.optimizers import OPTIMIZERS
 from aggregator.plain_sum import STAGES, PlainSum
 from aggregator.round_core import (
-    RoundPolicy,
     draw_cohort,
     draw_plan,
     finish,
     round_secrets,
+    select_cohort,
     server_half,
     short_of_survivors,
 )
@@ -143,16 +143,16 @@ def round_draws(seed: int, devices: int, cohort_size: int, rounds: int
                 ) -> Iterator[tuple[int, tuple[int, ...], bytes]]:
     """(round id, cohort as sorted device indices, round seed) of rounds 1..``rounds``,
     drawn as a simulated fleet of ``seed`` draws them when every device stays eligible:
-    the round core's cohort (``round_core.draw_cohort``: policy seed and round id over the
-    sorted device names) and its round seed and nonce from the fleet's seeded source
-    (``round_core.round_secrets``). A deployment's aggregator draws the seeds from
-    os.urandom."""
+    the round core's cohort (``round_core.draw_cohort`` is ``select_cohort`` with the
+    policy seed and round id over the sorted device names) and its round seed and nonce
+    from the fleet's seeded source (``round_core.round_secrets``). A deployment's
+    aggregator draws the seeds from os.urandom. Any ``cohort_size`` >= 1 (stored runs of
+    older paths had smaller cohorts)."""
     names = device_names(devices)
     index = {n: i for i, n in enumerate(names)}
     random_bytes = round_random_bytes(seed)
-    policy = RoundPolicy(fleet=FLEET_NAME, cohort_size=cohort_size, seed=seed)
     for rnd in range(1, rounds + 1):
-        cohort = draw_cohort(names, policy=policy, round_id=rnd)
+        cohort = select_cohort(names, min(cohort_size, devices), seed=seed, round_id=rnd)
         round_seed, _nonce = round_secrets(random_bytes)  # the nonce: secure aggregation's
         yield rnd, tuple(index[n] for n in cohort), round_seed
 
@@ -373,11 +373,6 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
             participated[n] += 1
             if math.isfinite(loss):
                 losses.append(loss)
-            if n in values and vanished.get(n) not in ("shares", "masked"):  # uploaded
-                payload, overhead = upload_sizes(config.length, config.bits,
-                                                 fleet=FLEET_NAME, device=n)
-                bytes_up_payload += payload
-                bytes_up_overhead += overhead
         agg = PlainSum.for_config(config, vanished=vanished)
         # the round machine's rule at each stage reached, before secure aggregation's
         # (declines are answers to the round machine: they do not hold a stage open)
@@ -392,6 +387,14 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
         opened = (short + 1 if short is not None else len(STAGES)
                   if failed is None or agg.survivors else len(agg.answered))
         dropped = {n: st for n, st in dropped.items() if STAGES.index(st) < opened}
+        # the uploads: the answers to the masked-input stage, if the round opened it
+        n_uploads = dict((st, got) for st, got, _ in agg.answered[:opened]).get(
+            "collect_masked", 0)
+        if n_uploads:
+            payload, overhead = upload_sizes(config.length, config.bits, fleet=FLEET_NAME,
+                                             device=cohort[0])  # names: all the same length
+            bytes_up_payload += n_uploads * payload
+            bytes_up_overhead += n_uploads * overhead
         survivors = agg.survivors
         if failed is None:
             for n in survivors:
