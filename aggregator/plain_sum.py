@@ -22,7 +22,8 @@ vanishes in it answers nothing from then on:
   never helps unmask.
 
 The round machine's own rule (``RoundPolicy.min_survivors``) is not SecAgg+'s and is not
-applied here.
+applied here: :attr:`PlainSum.answered` gives the counts it judges, and
+``aggregator.round_core.short_of_survivors`` judges them as the round machine does.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class PlainSum:
         ValueError: any argument not as described (named).
     """
 
-    __slots__ = ("_added", "_length", "_ring", "_round_id", "_sum", "_survivors")
+    __slots__ = ("_added", "_answered", "_length", "_ring", "_round_id", "_sum", "_survivors")
 
     def __init__(
         self,
@@ -108,6 +109,17 @@ class PlainSum:
             uploaded=past("masked"),
             answered=past("unmask"),
         )
+        # how many answered each stage the round reached, as the round machine counts them
+        # before closing it (the devices it still expected: the last stage's survivors)
+        sv = self._survivors
+        answered = [("collect_keys", len(past("keys")), len(members))]
+        if sv.u1:
+            answered.append(("collect_shares", sum(u in sv.u1 for u in past("shares")),
+                             len(sv.u1)))
+        if sv.u2:
+            answered.append(("collect_masked", sum(u in sv.u2 for u in past("masked")),
+                             len(sv.u2)))
+        self._answered = tuple(answered)
         self._ring = ring
         self._length = n
         self._sum: np.ndarray | None = None  # in the dtype the ring keeps residues in
@@ -134,6 +146,14 @@ class PlainSum:
     def failed(self) -> str | None:
         """Why the round fails (``SecAggServer``'s reason, word for word), or None."""
         return self._survivors.failed
+
+    @property
+    def answered(self) -> tuple[tuple[str, int, int], ...]:
+        """(stage, how many devices answered it, how many it asked) for each collecting
+        stage before the unmask stage that the round reaches (``ServerStage`` values, in
+        order): what the round machine compares with ``min_survivors`` when it closes each
+        of them (at its deadline when some did not answer)."""
+        return self._answered
 
     @property
     def survivors(self) -> tuple[str, ...]:

@@ -12,7 +12,7 @@ simulator (over ``aggregator.plain_sum.PlainSum``) run a round with the same thr
                                                                          the new model
 
 The randomness is fixed by the plan's inputs alone: the cohort is
-``aggregator.fedavg.select_cohort`` (seeded by the public ``policy.seed`` and the round),
+:func:`select_cohort` (seeded by the public ``policy.seed`` and the round),
 and the only draws from ``random_bytes`` are :func:`round_secrets`' two per round, in
 order. A simulator that replays a seeded source therefore replays the fleet's rounds.
 
@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 
-from aggregator.fedavg import select_cohort
 from aggregator.optimizers import OPTIMIZERS, ServerOptimizer
 from edge_sdk import compress, wire
 from edge_sdk.fixedpoint import FixedPoint
@@ -51,7 +50,9 @@ __all__ = [
     "mechanism_params",
     "mechanisms",
     "round_secrets",
+    "select_cohort",
     "server_half",
+    "short_of_survivors",
 ]
 
 
@@ -77,7 +78,9 @@ class RoundPolicy:
         max_rounds: stop starting rounds after this many (None: never stop).
         mechanism: what each device adds to the sum and what the sum means: a name of
             :func:`mechanisms` (default ``"gaussian"``); the settings below are its.
-        steps, batch_size, lr, sampling, clip, noise_multiplier: the local round.
+        steps, batch_size, lr, sampling, clip, noise_multiplier: the local round (clip
+            inf only without noise: a non-private baseline, which only a simulation's
+            unlimited ledger can run).
         sparsity: rand-k kept fraction p; quant_levels: QSGD levels (0: none).
         bits: ring size of the secure sum; value_bound: each uploaded value is clamped to
             [-value_bound, value_bound]; scale: fixed-point scale (None: the largest for
@@ -179,8 +182,11 @@ class RoundPolicy:
                              f"this aggregator can plan), got {self.mechanism!r}")
         if self.sampling not in ("poisson", "shuffle"):
             raise ValueError(f"sampling must be 'poisson' or 'shuffle', got {self.sampling!r}")
-        if not (math.isfinite(self.clip) and self.clip > 0):
-            raise ValueError(f"clip must be finite and > 0, got {self.clip!r}")
+        if not (self.clip > 0 and (math.isfinite(self.clip) or self.noise_multiplier == 0)):
+            # inf only for a non-private baseline (no noise: epsilon inf, which no device
+            # budget can pay; a simulator's unlimited Book only, plan15 R5)
+            raise ValueError(f"clip must be finite and > 0 (inf only with noise_multiplier "
+                             f"0), got {self.clip!r}")
         if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
             raise ValueError(
                 f"noise_multiplier must be finite and >= 0, got {self.noise_multiplier!r}")
@@ -312,6 +318,26 @@ class RoundPolicy:
         # value_bound * scale can push the sum across the sign bit
         cohort_bits = (self.cohort_size - 1).bit_length()
         return min(2.0 ** (self.bits - 3 - cohort_bits), 2.0**52) / self.value_bound
+
+
+def select_cohort(names: Sequence[str], size: int, *, seed: int,
+                  round_id: int) -> tuple[str, ...]:
+    """``size`` distinct names out of ``names``, uniformly without replacement (zCDP paper
+    Alg. 1 line 2), sorted.
+
+    The draw is ``default_rng([seed, round_id]).choice`` over the names in sorted order, so
+    it depends only on the seed, the round and the set of names: the round machine's cohort
+    (``RoundPolicy.seed``; a deployment's seed is public, the cohort is not secret) and the
+    fast simulator's are the same draw.
+    """
+    pool = sorted(names)
+    if len(set(pool)) != len(pool):
+        raise ValueError(f"device names must be distinct, got {len(pool)} names with repeats")
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= len(pool):
+        raise ValueError(f"cohort size must be an integer in [1, {len(pool)}] (the names "
+                         f"given), got {size!r}")
+    rng = np.random.default_rng([seed, round_id])
+    return tuple(sorted(pool[i] for i in rng.choice(len(pool), size, replace=False)))
 
 
 def round_secrets(random_bytes: Callable[[int], bytes]) -> tuple[bytes, bytes]:
@@ -450,6 +476,20 @@ def draw_plan(policy: RoundPolicy, *, round_id: int, model_version: int,
         length=length, nonce=nonce, degree=degree,
         threshold=policy.config_threshold(degree), min_survivors=policy.survivors_needed(n),
         max_colluders=policy.max_colluders, stage_timeout=float(policy.stage_timeout))
+
+
+def short_of_survivors(stage: str, answered: int, *, min_survivors: int,
+                       why: str = "all answered") -> str | None:
+    """Why a round fails when ``answered`` devices answered collecting stage ``stage``
+    (a ``ServerStage`` value before the unmask stage) by the time it closes (``why``), or
+    None: fewer than the plan's ``min_survivors`` (the devices' aggregate view is
+    accounted on at least that many, and they refuse to unmask fewer). The round machine
+    checks it before secure aggregation closes the stage; the fast simulator with
+    ``PlainSum.answered``."""
+    if answered < min_survivors:
+        return (f"{stage}: {answered} devices answered by the {why}, "
+                f"below min_survivors {min_survivors}")
+    return None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -92,6 +92,7 @@ from aggregator.round_core import (
     finish,
     round_secrets,
     server_half,
+    short_of_survivors,
 )
 from aggregator.secagg_server import CLOSE, RECV, SecAggServer, ServerStage
 from edge_sdk import wire
@@ -681,9 +682,10 @@ class RoundMachine:
         have = self._answered(r)
         need = r.plan.min_survivors
         # recovery needs t answers per neighbourhood, not min_survivors: finalize() judges
-        if r.stage is not ServerStage.COLLECT_UNMASK and have < need:
-            return self._fail(now, f"{r.stage.value}: {have} devices answered by the {why}, "
-                                   f"below min_survivors {need}")
+        short = (None if r.stage is ServerStage.COLLECT_UNMASK else
+                 short_of_survivors(r.stage.value, have, min_survivors=need, why=why))
+        if short is not None:
+            return self._fail(now, short)
         if r.stage is ServerStage.COLLECT_UNMASK:
             return self._finish(now)
         try:

@@ -91,8 +91,7 @@ def test_the_fleet_vanishes_at_the_schedules_stages() -> None:
 def test_fleet_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="secagg = false is only for transport 'inproc'"):
         SimConfig(transport="mqtt", secagg=False)
-    with pytest.raises(ValueError, match="dropout needs the fleet path"):
-        SimConfig(dropout=0.1)
+    assert SimConfig(dropout=0.1).dropout == 0.1  # both paths drop devices (plan15 G3)
     with pytest.raises(ValueError, match="finite clip"):
         SimConfig(secagg=True, noise_multiplier=1.0)
     with pytest.raises(ValueError, match="noise_multiplier > 0"):

@@ -209,8 +209,44 @@ def test_params_from_a_plan_and_their_checks(model) -> None:
 # ------------------------------------------------------------ update-noise and ddg (G4, G5)
 #
 # Each: contribute -> PlainSum (the fast path's sum, aggregator/plain_sum.py) -> decode,
-# against what tools/simulate.py computes for the same inputs and seeds (written out here as
-# the simulator wrote it before the bodies moved, so a change on either side shows).
+# against what tools/simulate.py computed for the same inputs and seeds before the bodies
+# moved (written out here as the simulator wrote it; since plan15 G3 the simulator runs
+# these mechanisms, so this is the record of what moved).
+
+
+def _sim_upload(values: np.ndarray, quant_levels: int, rng: np.random.Generator) -> np.ndarray:
+    """What the pre-G3 simulator's aggregator decoded from one upload (its ``_upload``):
+    QSGD values, or the float32 values."""
+    if quant_levels:
+        return compress.dequantize(compress.quantize(values, quant_levels, rng))
+    return values.astype("<f4")
+
+
+@dataclasses.dataclass(frozen=True)
+class _SimDdgPlan:
+    """The pre-G3 simulator's ddg parameters (its ``DdgPlan``): n = r shares."""
+
+    gamma: float
+    sigma: float
+    l2_sensitivity: float
+    l1_sensitivity: float
+    dim: int
+    devices: int
+
+    def event(self, steps: int = 1, *, adjacency: str) -> Any:
+        return ddg.sample_event(l2=self.l2_sensitivity, l1=self.l1_sensitivity,
+                                sigma=self.sigma, devices=self.devices, dim=self.dim,
+                                steps=steps, adjacency=adjacency)
+
+
+def _sim_ddg_plan(sim: Any, d: int) -> _SimDdgPlan:
+    """The pre-G3 simulator's ``ddg_plan(cfg, d)``."""
+    k = d if sim.sparsity == 1.0 else compress.kept_count(d, sim.sparsity)
+    r = sim.cohort_size
+    l2, l1 = ddg.sensitivities(sim.clip, sim.gamma, k)
+    return _SimDdgPlan(gamma=sim.gamma,
+                       sigma=ddg.device_sigma(sim.noise_multiplier, sim.clip, sim.gamma, r),
+                       l2_sensitivity=l2, l1_sensitivity=l1, dim=k, devices=r)
 
 
 def _plain_sum(contributions: list[Contribution], *, bits: int, length: int) -> np.ndarray:
@@ -257,7 +293,6 @@ def test_update_noise_value_bound_is_stated_by_its_clamp_probability() -> None:
 def test_update_noise_sum_decodes_to_the_simulators_mean(model, digits,
                                                          quant_levels: int) -> None:
     from tools.simconfig import SimConfig
-    from tools.simulate import _upload
 
     _, eng, params, d = model
     n = 4
@@ -279,7 +314,7 @@ def test_update_noise_sum_decodes_to_the_simulators_mean(model, digits,
     for i, (x, y) in enumerate(shards):
         rng = np.random.default_rng(100 + i)
         res = local_round_update_noise(eng, params, x, y, sim.local(), rng, update_clip=None)
-        decoded, _, _ = _upload(flatten_params(res.update), sim, rng, 1, i)
+        decoded = _sim_upload(flatten_params(res.update), sim.quant_levels, rng)
         acc += decoded
         c = contributions[i]
         # the events the simulator accounts; the sum gets no credit for others' noise
@@ -312,14 +347,13 @@ def test_update_noise_is_dense_and_refuses_a_wrapping_encoding(model, digits) ->
 
 
 def _ddg_setup(d: int, sparsity: float, n: int, sizes: list[int]):
-    """The simulator's ddg parameters (tools.simulate.ddg_plan and its bits) and the round."""
+    """The pre-G3 simulator's ddg parameters (its ddg_plan and bits) and the round."""
     from tools.simconfig import SimConfig
-    from tools.simulate import ddg_plan
 
     sim = SimConfig(dataset="digits", model="logreg", devices=n, participation=1.0, rounds=1,
                     local_steps=1, batch_size=16, lr=5.0, clip=1.0, delta=1e-3,
                     noise_multiplier=2.0, mechanism="ddg", sparsity=sparsity, progress=False)
-    plan = ddg_plan(sim, d)
+    plan = _sim_ddg_plan(sim, d)
     # as simulate() computed them before the bodies moved
     bits = choose_bits_bounded(n * max(sizes) * plan.l2_sensitivity, n, plan.dim, plan.sigma,
                                1e-9)

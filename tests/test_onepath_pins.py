@@ -50,7 +50,9 @@ def fleet_pins(seed: int, workdir: Path, data: Any = None, engine: Any = None
 
 
 def fast_pins(seed: int) -> dict[str, Any]:
-    """The fast simulator's final model for ``seed`` (no dropouts: it refuses them today)."""
+    """The fast simulator's final model for ``seed`` (without dropouts, as pinned before
+    G3 let the fast path drop devices; tests/test_one_path.py checks it against the fleet
+    with them)."""
     return {"model_sha256": simulate(SimConfig(**FAST, seed=seed))["model_sha256"]}
 
 
@@ -88,6 +90,14 @@ def test_fleet_pins_hold(seed: int, tmp_path: Path, digits: Any, engine: Any) ->
 @pytest.mark.parametrize("seed", SEEDS)
 def test_fast_simulator_pins_hold(seed: int) -> None:
     assert fast_pins(seed) == _stored()["fast"][str(seed)]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_fast_simulator_with_the_fleets_dropouts_makes_the_fleets_model(seed: int) -> None:
+    """Since G3 the fast path runs the fleet's round code: with the fleet's config (its
+    dropouts included) it ends with the fleet's pinned model."""
+    cfg = SimConfig(**{**FLEET, "secagg": False}, seed=seed)
+    assert simulate(cfg)["model_sha256"] == _stored()["fleet"][str(seed)]["model_sha256"]
 
 
 if __name__ == "__main__":

@@ -189,3 +189,23 @@ def test_constructor_names_bad_arguments() -> None:
     w = World(4, seed=0)
     with pytest.raises(ValueError, match="amortized"):
         PlainSum.for_config(w.config(amortized=True, full_graph=True), vanished={})
+
+
+def test_answered_counts_what_the_round_machine_judges_at_each_stage() -> None:
+    """Per stage the round reaches: who answered among those the aggregator still asked
+    (the last stage's survivors), what ``round_core.short_of_survivors`` compares with
+    min_survivors; a stage the round never opens is not listed."""
+    cfg, _ = _config()
+    d = cfg.cohort
+    ps = PlainSum.for_config(cfg, vanished={d[0]: "keys", d[1]: "shares"})
+    assert ps.failed is None and ps.survivors == (d[2], d[3], d[4], d[5])
+    assert ps.answered == (("collect_keys", 5, 6), ("collect_shares", 4, 5),
+                           ("collect_masked", 4, 4))
+    ps = PlainSum.for_config(cfg, vanished={d[0]: "masked"})
+    assert ps.answered == (("collect_keys", 6, 6), ("collect_shares", 6, 6),
+                           ("collect_masked", 5, 6))
+    # too few advertise: the round fails closing the key stage, the rest never opens
+    gone = {u: "keys" for u in d[: 6 - cfg.threshold]}
+    ps = PlainSum.for_config(cfg, vanished=gone)
+    assert ps.failed is not None and ps.failed.startswith("only")
+    assert ps.answered == (("collect_keys", cfg.threshold, 6),)

@@ -59,8 +59,12 @@ def test_fast_simulator_writes_its_plot_and_the_series_are_the_summarys(tmp_path
     assert s.rounds == (1, 2, 3, 4)
     assert list(s.accuracy) == summary["accuracy_per_round"]
     assert s.accuracy[0] is None and s.accuracy[1] is not None  # evaluated every 2nd round
-    assert list(s.epsilon) == ["max over devices (RDP accountant, zero-out adjacency)"]
-    assert list(*s.epsilon.values()) == summary["epsilon_per_round"]
+    # the fast path's rows are the fleet's since plan15 G3: both views of the ledgers
+    local, aggregate = s.epsilon.values()
+    assert list(s.epsilon) == ["local (anyone who sees an upload)",
+                               "aggregate (secure sum only)"]
+    assert list(local) == summary["epsilon_per_round"]
+    assert list(aggregate) == summary["epsilon_aggregate_per_round"]
     assert s.delta == summary["delta"]
     assert sum(s.bytes_up) == summary["bytes_up_total"]
     assert sum(s.bytes_down) == summary["bytes_down_total"]

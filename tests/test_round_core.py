@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 from test_session_rounds import Fleet, _down_kind
 
-from aggregator.fedavg import select_cohort
 from aggregator.optimizers import OPTIMIZERS
 from aggregator.plain_sum import PlainSum
 from aggregator.round_core import (
@@ -31,6 +30,7 @@ from aggregator.round_core import (
     mechanism_params,
     mechanisms,
     round_secrets,
+    select_cohort,
     server_half,
 )
 from aggregator.rounds import RoundMachine, SnapshotError

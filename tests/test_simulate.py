@@ -27,6 +27,23 @@ def test_noiseless_fleet_learns_digits() -> None:
     # per upload: one signed masked_part (64-byte signature, 32-byte digest, envelope) and
     # its MQTT header, about 223 bytes (protocol 4 and 5; the unsigned v2 update was below 200)
     assert 8 * 5 * 200 < out["bytes_up_overhead"] < 8 * 5 * 256
+    assert out["bytes_up_packed_no_secagg_per_upload"] == 4 * out["num_params"]
+    # the fleet's per-round rows: every round completed by all 5, nothing dropped
+    assert [(r["completed"], r["survivors"], r["dropped"]) for r in out["rounds"]] == [
+        (True, 5, {})] * 8
+    assert out["model_version"] == 8 and out["ring_bits"] == 32
+
+
+def test_qsgd_values_travel_at_the_rings_width() -> None:
+    """Additive masking needs the ring's width (plan15 R2): QSGD no longer shrinks the
+    upload; the packed size is reported beside it, labelled."""
+    from edge_sdk.compress import packed_size
+
+    out = simulate(SimConfig(**{**FAST, "rounds": 2, "clip": 1.0, "noise_multiplier": 1.0,
+                                "quant_levels": 7}))
+    d = out["num_params"]
+    assert out["bytes_up_payload"] == out["device_rounds"] * 4 * d
+    assert out["bytes_up_packed_no_secagg_per_upload"] == packed_size(d, 7) < 4 * d
 
 
 def test_private_fleet_reports_growing_finite_epsilon() -> None:
@@ -53,7 +70,7 @@ def test_partitions_run(scheme: str) -> None:
 def test_config_file_and_flag_override(tmp_path) -> None:
     path = tmp_path / "fleet.toml"
     path.write_text('[simulate]\ndataset = "breast-cancer"\nmodel = "tabular"\n'
-                    "devices = 10\nrounds = 2\nlocal-steps = 3\n")
+                    "devices = 10\nparticipation = 0.3\nrounds = 2\nlocal-steps = 3\n")
     cfg = load_config(path, rounds=4)
     got = (cfg.dataset, cfg.model, cfg.rounds, cfg.local_steps)
     assert got == ("breast-cancer", "tabular", 4, 3)
@@ -75,6 +92,18 @@ def test_cli_writes_the_json_summary(tmp_path, capsys) -> None:
         assert key in summary
     assert summary["delta"] == 1e-3 and summary["epsilon"] > 0
     assert "final accuracy" in capsys.readouterr().out
+
+
+def test_cli_offers_every_mechanism_a_config_can_name(capsys) -> None:
+    from tools.simconfig import MECHANISM_NAMES
+
+    with pytest.raises(SystemExit):
+        main(["simulate", "--mechanism", "no-such", "--quiet"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'no-such'" in err
+    offered = err.split("choose from", 1)[1]
+    assert all(repr(m) in offered or m in offered for m in MECHANISM_NAMES)
+    assert offered.count(",") == len(MECHANISM_NAMES) - 1
 
 
 def test_cli_bad_setting_is_a_clear_error(capsys) -> None:
@@ -125,7 +154,7 @@ def test_binomial_baseline_runs_with_its_paper_bound() -> None:
     # labelled paper figure (tests/privacy/test_binomial_paper_bound.py shows a point).
     assert out["paper_epsilon"] is not None and out["paper_epsilon"] > 0
     assert out["paper_epsilon_note"].startswith(PAPER_BOUND_LABEL)
-    assert "binomial: restricted-RDP bound" in out["epsilon_note"]
+    assert "binomial's is the restricted-RDP bound" in out["epsilon_note"]
     eps = out["epsilon_per_round"]
     assert all(e is not None and e > 0 for e in eps) and eps == sorted(eps)
     # The sound epsilon is at least the exact epsilon of a realisable worst pair: update
@@ -159,24 +188,35 @@ DDG = dict(FAST, local_steps=1, clip=1.0, delta=1e-3, mechanism="ddg", lr=5.0)
 
 
 def test_ddg_epsilon_grows_and_is_the_busiest_devices_accountant() -> None:
+    from edge_sdk.mechanisms.ddg import sample_event, sensitivities
     from edge_sdk.privacy import RdpAccountant
-    from tools.simulate import ddg_plan
 
     cfg = SimConfig(**{**DDG, "noise_multiplier": 2.0})
     out = simulate(cfg)
-    eps = out["epsilon_per_round"]
+    eps = out["epsilon_aggregate_per_round"]
     assert all(e is not None and math.isfinite(e) and e > 0 for e in eps)
     assert eps == sorted(eps) and eps[-1] > eps[0]
-    plan = ddg_plan(cfg, out["num_params"])
-    busiest = RdpAccountant(adjacency="zero_out").compose(
-        plan.event(adjacency="zero_out"), count=out["max_rounds_per_device"])
-    assert out["epsilon"] == pytest.approx(busiest.get_epsilon(1e-3), rel=1e-12)
     facts = out["ddg"]
-    assert facts["wrapped_coordinates"] == 0 and facts["bits"] >= 2
-    assert facts["sigma_dev"] == pytest.approx(2.0 * 1024 / math.sqrt(cfg.cohort_size))
+    # the round's honest shares: min_survivors (the threshold, 3 of r = 5) - 1 colluder
+    assert facts["honest_shares"] == 2
+    assert facts["sigma_dev"] == pytest.approx(2.0 * 1024 / math.sqrt(2))
+    d = out["num_params"]
+    l2, l1 = sensitivities(cfg.clip, cfg.gamma, d)
+
+    def busiest(devices: int) -> float:
+        event = sample_event(l2=l2, l1=l1, sigma=facts["sigma_dev"], devices=devices, dim=d,
+                             adjacency="zero_out")
+        return RdpAccountant(adjacency="zero_out").compose(
+            event, count=out["max_rounds_per_device"]).get_epsilon(1e-3)
+
+    # aggregate view: the honest shares' noise; local view: the device's own share only
+    assert out["epsilon_aggregate"] == pytest.approx(busiest(2), rel=1e-9)
+    assert out["epsilon"] == pytest.approx(busiest(1), rel=1e-9)
+    assert facts["bits"] >= 2
+    # no sum can have wrapped: r times the largest integer a device sent fits the ring
+    assert cfg.cohort_size * facts["max_abs_integer"] < 2 ** (facts["bits"] - 1)
     # k integers of `bits` bits each, bit-packed, per upload
-    assert out["bytes_up_payload"] == out["device_rounds"] * math.ceil(
-        out["num_params"] * facts["bits"] / 8)
+    assert out["bytes_up_payload"] == out["device_rounds"] * math.ceil(d * facts["bits"] / 8)
 
 
 def test_ddg_without_noise_learns_and_reports_no_epsilon() -> None:
@@ -188,7 +228,9 @@ def test_ddg_without_noise_learns_and_reports_no_epsilon() -> None:
 def test_ddg_sparsified_round_uploads_k_integers() -> None:
     out = simulate(SimConfig(**{**DDG, "rounds": 2, "sparsity": 0.1, "noise_multiplier": 1.0}))
     assert out["kept_coordinates"] < out["num_params"] / 5
-    assert out["epsilon"] is not None and out["ddg"]["wrapped_coordinates"] == 0
+    facts = out["ddg"]
+    assert out["epsilon"] is not None
+    assert 5 * facts["max_abs_integer"] < 2 ** (facts["bits"] - 1)  # no sum can wrap
 
 
 def test_ddg_device_encoding_decodes_to_the_clipped_gradient_sum() -> None:

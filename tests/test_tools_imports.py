@@ -69,7 +69,7 @@ def test_module_imports_alone(module: str) -> None:
         assert not loaded & PATHS, f"{module} pulled in {sorted(loaded & PATHS)}"
 
 
-TINY = dict(dataset="digits", model="logreg", devices=4, participation=0.5, rounds=1,
+TINY = dict(dataset="digits", model="logreg", devices=6, participation=0.5, rounds=1,
             local_steps=2, batch_size=8, lr=0.5, clip=1.0, noise_multiplier=1.0, seed=2,
             progress=False)
 

@@ -50,8 +50,11 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
                    choices=["fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedspa"],
                    help="server optimizer (fedspa: Fed-SPA's adaptive update, eq. (6); "
                         "fedadam/fedyogi/fedadagrad: Reddi et al. 2021)")
-    p.add_argument("--mechanism",
-                   choices=["gaussian", "update-noise", "binomial", "ddg", "device-dp"],
+    # edge_sdk's registry, not tools.simconfig's MECHANISM_NAMES (the same names): the CLI
+    # of a device install (fedge doctor) must not import the aggregator package
+    from edge_sdk.mechanisms import MECHANISMS
+
+    p.add_argument("--mechanism", choices=sorted(MECHANISMS),
                    help="gaussian: noise every step (default); update-noise: privatized "
                         "FedPAQ, noise once on the clipped update; binomial: cpSGD baseline; "
                         "ddg: FedSGD with distributed discrete Gaussian noise under secure "
@@ -65,9 +68,11 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sparsity", type=float, help="kept fraction p of rand-k (default 1)")
     p.add_argument("--quant-levels", type=int, help="QSGD levels s for uploads (0: float32)")
     p.add_argument("--update-clip", type=float,
-                   help="update-noise: L2 bound S on the update (default E*lr*C); "
+                   help="update-noise, binomial: L2 bound S on the update (default E*lr*C); "
                         "device-dp: S (required)")
-    p.add_argument("--weighting", choices=["uniform", "samples"])
+    p.add_argument("--weighting", choices=["uniform"],
+                   help="the sum is unweighted (a key of older configs; weights by data "
+                        "size would reveal each device's m)")
     p.add_argument("--backend", choices=["onnx", "numpy"])
     p.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default 1)")
     p.add_argument("--eval-every", type=int)
@@ -80,13 +85,20 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
                    help="run the fleet path: every device a DeviceSession with its ledger, "
                         "SecAgg+ with dropout recovery (default: off for inproc)")
     g.add_argument("--dropout", type=float,
-                   help="fraction of each round's cohort that vanishes at a random stage")
+                   help="fraction of each round's cohort that vanishes at a random stage "
+                        "(both paths: the same devices at the same stages)")
     g.add_argument("--stage-timeout", type=float,
                    help="seconds per secure-aggregation stage (a safety net; vanished "
                         "devices are detected without waiting)")
     g.add_argument("--value-bound", type=float,
                    help="uploaded values are clamped to [-B, B] before fixed-point encoding")
-    g.add_argument("--budget-epsilon", type=float, help="each device ledger's lifetime budget")
+    g.add_argument("--budget-epsilon", type=float,
+                   help="each device ledger's lifetime budget (default: none on the fast "
+                        "path, 100 on the fleet path)")
+    g.add_argument("--min-survivors", type=int,
+                   help="the fewest uploads a round may sum (default: SecAgg+'s threshold)")
+    g.add_argument("--max-colluders", type=int,
+                   help="cohort members assumed to collude with the aggregator (default 1)")
     g.add_argument("--workdir", help="keep ledgers, checkpoint and broker files here "
                                      "(default: a temporary directory)")
     p.add_argument("--json-out", help="write the JSON summary here, and beside it (same name, "
@@ -105,7 +117,7 @@ def _simulate(args: argparse.Namespace) -> int:
             "server_lr", "server_opt", "weighting", "backend", "threads", "eval_every",
             "seed", "mechanism", "sparsity", "quant_levels", "update_clip", "binomial_trials",
             "ddg_gamma", "transport", "secagg", "dropout", "stage_timeout", "value_bound",
-            "budget_epsilon"]
+            "budget_epsilon", "min_survivors", "max_colluders"]
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     if args.quiet:
         overrides["progress"] = False
@@ -131,8 +143,13 @@ def _simulate(args: argparse.Namespace) -> int:
           f"({'-' if per is None else f'{per:.0f}'} B per upload vs "
           f"{summary['bytes_up_float32_per_upload']} B float32), "
           f"{summary['wall_seconds']:.1f} s")
+    agg = summary["epsilon_aggregate"]
+    if not cfg.secagg:
+        print(f"fast path: {summary['rounds_completed']} rounds completed, "
+              f"{summary['rounds_failed']} failed; aggregate epsilon (sums only) "
+              f"{'inf' if agg is None else f'{agg:.4f}'}; model sha256 "
+              f"{summary['model_sha256'][:16]}")
     if cfg.secagg:
-        agg = summary["epsilon_aggregate"]
         print(f"fleet over {summary['transport']} with secure aggregation: "
               f"{summary['rounds_completed']} rounds completed, {summary['rounds_failed']} "
               f"failed; aggregate epsilon (secure sum only) "

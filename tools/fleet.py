@@ -54,7 +54,6 @@ from aggregator.rounds import (
     RoundEnded,
     RoundMachine,
     RoundOutcome,
-    RoundPolicy,
     RoundStarted,
 )
 from aggregator.store import CheckpointStore
@@ -74,12 +73,11 @@ from tools.evaluate import evaluate
 from tools.inproc import MemoryBroker
 from tools.partition import partition
 from tools.seeding import device_seed, round_random_bytes, seeded_bytes
-from tools.simconfig import SimConfig
+from tools.simconfig import FLEET_BUDGET_EPSILON, FLEET_NAME, SimConfig, round_policy
 from tools.summary import model_sha256, sum_sha256
 
 __all__ = ["DROP_STAGES", "DeviceAgent", "Fleet", "simulate_fleet"]
 
-FLEET_NAME = "sim"
 AGGREGATOR = "aggregator"
 # The stage a device vanishes in -> the downlink kind on whose receipt it vanishes.
 DROP_STAGES: Mapping[str, str] = {
@@ -342,17 +340,9 @@ class Fleet:
         self.ids = {n: secagg.DeviceIdentity.generate(n, random_bytes=seeded_bytes(
             f"fedge-fleet/{cfg.seed}/id/{n}")) for n in self.names}
         self.registry = secagg.Registry.of(self.agg_id, list(self.ids.values()))
-        self.budget = Budget(epsilon=cfg.budget_epsilon, delta=cfg.delta)
-        self.policy = RoundPolicy(
-            fleet=FLEET_NAME, cohort_size=cfg.cohort_size, stage_timeout=cfg.stage_timeout,
-            max_rounds=cfg.rounds, mechanism=cfg.mechanism, steps=cfg.local_steps,
-            batch_size=cfg.batch_size, lr=cfg.lr, sampling=cfg.sampling, clip=cfg.clip,
-            noise_multiplier=cfg.noise_multiplier, sparsity=cfg.sparsity,
-            # binomial's quant_levels are its grid levels (the policy's ``levels``)
-            quant_levels=0 if cfg.mechanism == "binomial" else cfg.quant_levels,
-            value_bound=cfg.value_bound,
-            server_opt=cfg.server_opt, server_lr=cfg.server_lr, seed=cfg.seed,
-            **_mechanism_settings(cfg, [len(y) for _, y in self.shards.values()]))
+        self.budget = Budget(epsilon=(FLEET_BUDGET_EPSILON if cfg.budget_epsilon is None
+                                      else cfg.budget_epsilon), delta=cfg.delta)
+        self.policy = round_policy(cfg, [len(y) for _, y in self.shards.values()])
         self.initial = init_params(self.spec, init_rng)
         (self.workdir / "ledgers").mkdir(parents=True, exist_ok=True)
         self.store = CheckpointStore(self.workdir / "aggregator.ckpt")
@@ -631,25 +621,6 @@ class Fleet:
     def close(self) -> None:
         for led in self.ledgers.values():
             led.close()
-
-
-def _mechanism_settings(cfg: SimConfig, sizes: list[int]) -> dict[str, Any]:
-    """The policy's settings of ``cfg.mechanism`` beyond the shared ones: update-noise's S;
-    device-dp's S and gamma;
-    ddg's gamma (``SimConfig.gamma``, as the fast path) and the
-    fleet's largest and mean shard sizes (public facts of a simulated fleet); binomial's S,
-    trials and grid levels (``quant_levels or 127``, as the fast path)."""
-    if cfg.mechanism == "update-noise":
-        return {"update_clip": cfg.update_clip}
-    if cfg.mechanism == "binomial":
-        return {"update_clip": cfg.update_clip, "trials": cfg.binomial_trials,
-                "levels": cfg.quant_levels or 127}
-    if cfg.mechanism == "ddg":
-        return {"gamma": cfg.gamma, "max_local_samples": max(sizes),
-                "nominal_samples": float(np.mean(sizes))}
-    if cfg.mechanism == "device-dp":
-        return {"update_clip": cfg.update_clip, "gamma": cfg.gamma}
-    return {}
 
 
 def _finite(v: float) -> float | None:

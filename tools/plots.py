@@ -77,11 +77,12 @@ def _finite(v: float | None) -> float | None:
 def run_series(summary: dict[str, Any]) -> RunSeries:
     """The per-round series of a summary of either simulator path.
 
-    Fleet path (``summary["rounds"]``, one row per ended round, failed ones included): the
-    round ids, each row's accuracy, ``epsilon_local`` and ``epsilon_aggregate`` and its
-    ``bytes`` (``up_packets``, ``down_packets``). Fast path: rounds 1..R,
-    ``accuracy_per_round``, ``epsilon_per_round`` and ``bytes_per_round`` (up = payload +
-    overhead, down).
+    With per-round rows (``summary["rounds"]``, one row per ended round, failed ones
+    included: the fleet path's, and the fast path's since plan15 G3): the round ids, each
+    row's accuracy, ``epsilon_local`` and ``epsilon_aggregate`` and its ``bytes``
+    (``up_packets``, ``down_packets``). Without them (older fast-path summaries): rounds
+    1..R, ``accuracy_per_round``, ``epsilon_per_round`` and ``bytes_per_round`` (up =
+    payload + overhead, down).
 
     Raises:
         ValueError: a summary without per-round data, or with series of unequal lengths.
@@ -101,8 +102,10 @@ def run_series(summary: dict[str, Any]) -> RunSeries:
         up = tuple(int(r["bytes"]["up_packets"]) for r in rows)
         down = tuple(int(r["bytes"]["down_packets"]) for r in rows)
         cfg = summary.get("config", {})
-        title = (f"fleet over {summary.get('transport', '?')}, secure aggregation: "
-                 f"{cfg.get('devices', '?')} devices, {summary.get('rounds_completed', '?')} "
+        path = ("in-process simulation" if summary.get("secagg") is False else
+                f"fleet over {summary.get('transport', '?')}, secure aggregation")
+        title = (f"{path}: {cfg.get('devices', '?')} devices, mechanism "
+                 f"{cfg.get('mechanism', '?')}, {summary.get('rounds_completed', '?')} "
                  f"of {len(rows)} rounds completed")
     elif "bytes_per_round" in summary:
         per = summary["bytes_per_round"]

@@ -11,7 +11,7 @@ nonces from ``os.urandom`` and each device its round randomness from
 * :func:`device_seed`: device ``index``'s seed for ``edge_sdk.csprng.seeded_round_rng``
   (round r's generator is then ``default_rng([device_seed, r])``).
 
-The cohort is not here: both paths call :func:`aggregator.fedavg.select_cohort` with the
+The cohort is not here: both paths call :func:`aggregator.round_core.select_cohort` with the
 run's seed and the round id.
 """
 

@@ -2,8 +2,10 @@
 
 :class:`SimConfig` is validated on construction, for the fast in-process simulator
 (``tools.simulate``) and the fleet path with secure aggregation (``tools.fleet``) alike;
-:func:`tools.run.run` picks the path from ``cfg.secagg``. This module imports neither
-path, so each of them, and the experiment runner, can depend on it without a cycle.
+:func:`tools.run.run` picks the path from ``cfg.secagg``. Both paths run rounds under the
+one :class:`aggregator.round_core.RoundPolicy` that :func:`round_policy` maps these flat
+settings onto. This module imports neither path, so each of them, and the experiment
+runner, can depend on it without a cycle.
 """
 
 from __future__ import annotations
@@ -15,12 +17,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from aggregator.optimizers import OPTIMIZERS
+from aggregator.round_core import RoundPolicy
+from edge_sdk.mechanisms import MECHANISMS
 from edge_sdk.train import LocalTraining
 from tools.datasets import DATASETS
 from tools.partition import parse_scheme
 
-__all__ = ["DDG_SCALE", "SimConfig", "load_config"]
+__all__ = ["DDG_SCALE", "FLEET_BUDGET_EPSILON", "FLEET_NAME", "MECHANISM_NAMES",
+           "SIMULATION_ONLY", "SimConfig", "load_config", "round_policy"]
+
+SIMULATION_ONLY: tuple[str, ...] = ()
+"""Mechanisms only the fast path runs (no device half in ``edge_sdk.mechanisms``): none since
+issue 15 G6 put cpSGD's binomial baseline on the device."""
+
+MECHANISM_NAMES: tuple[str, ...] = (*sorted(MECHANISMS), *SIMULATION_ONLY)
+"""Every ``mechanism`` a config may name: the registered ones, then the simulation-only."""
+
+FLEET_NAME = "sim"
+"""The fleet name of every simulated fleet (topics ``fedge/sim/...``, ledger round names)."""
+
+FLEET_BUDGET_EPSILON = 100.0
+"""Each device ledger's lifetime budget on the fleet path when ``budget_epsilon`` is unset
+(a device's ledger always has a finite budget; the fast path then has none)."""
 
 DDG_SCALE = 1024
 """Default C / gamma of mechanism ``ddg``: a clipped sample spans 2^10 integer steps, so
@@ -34,16 +55,21 @@ class SimConfig:
     is the noise std on the clipped sum divided by C (mechanism ``ddg``: the std of the
     summed noise divided by C, so each device's sigma is z (C/gamma) / sqrt(n) integer
     steps, n = r on the fast path (no dropouts, no colluders) and the round's honest
-    members min_survivors - max_colluders on the fleet path); ``ddg_gamma`` is model
+    members min_survivors - max_colluders, on both paths); ``ddg_gamma`` is model
     units per integer step (None: C / 1024); epsilon is reported at ``delta``.
 
-    The fleet path (``secagg``) runs mechanisms ``gaussian``, ``update-noise``, ``ddg`` and
-    ``device-dp`` (``tools.fleet`` maps these settings onto
-    ``aggregator.round_core.RoundPolicy``). ``device-dp`` (device-level DP-FedAvg,
-    ``edge_sdk.mechanisms.device_dp``) runs on the fleet path only: ``update_clip`` is S
-    (required), ``noise_multiplier`` z the device-level target (the noise summed over the
-    honest members has std z S), ``ddg_gamma`` its granularity (default S /
-    :data:`DDG_SCALE`); the local round is plain SGD."""
+    Every mechanism runs on both paths under the policy :func:`round_policy` maps these
+    settings onto (``binomial``, cpSGD, too since issue 15 G6: its sound restricted-RDP
+    event is in the device ledger). ``device-dp`` (device-level DP-FedAvg,
+    ``edge_sdk.mechanisms.device_dp``): ``update_clip`` is S (required), ``noise_multiplier``
+    z the device-level target (the noise summed over the honest members has std z S),
+    ``ddg_gamma`` its granularity (default S / :data:`DDG_SCALE`); the local round is plain
+    SGD. ``weighting`` is kept as a key of the experiment files and must be ``"uniform"``: a
+    sum weighted by local data size would reveal each device's m to whoever sees its upload
+    (plan15 G3). ``budget_epsilon``: each device ledger's lifetime budget at ``delta``;
+    unset, the fast path's ledgers have no limit and the fleet's have
+    :data:`FLEET_BUDGET_EPSILON`. ``min_survivors`` and ``max_colluders``: the round
+    policy's (None: SecAgg+'s threshold; 1)."""
 
     dataset: str = "fashion-mnist"
     model: str = "cnn"
@@ -75,10 +101,12 @@ class SimConfig:
     # The fleet path (tools.fleet): device sessions with ledgers, secure aggregation.
     transport: str = "inproc"  # "inproc" (in-memory broker) | "mqtt" (a real mosquitto)
     secagg: bool | None = None  # None: on for transport "mqtt", off for "inproc"
-    dropout: float = 0.0  # fraction of each cohort that vanishes at a random stage
+    dropout: float = 0.0  # fraction of each cohort that vanishes at a random stage (both paths)
     stage_timeout: float = 120.0  # seconds per secure-aggregation stage (a safety net)
     value_bound: float = 1.0  # uploads are clamped to [-B, B] before fixed-point encoding
-    budget_epsilon: float = 100.0  # each device ledger's lifetime budget at delta
+    budget_epsilon: float | None = None  # each device ledger's budget (see the class)
+    min_survivors: int | None = None  # the fewest uploads a round may sum (None: threshold)
+    max_colluders: int = 1  # cohort members assumed to collude with the aggregator
     progress: bool = field(default=True, compare=False)
 
     def __post_init__(self) -> None:
@@ -91,8 +119,6 @@ class SimConfig:
                              "secagg = false is only for transport 'inproc'")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
-        if self.dropout and not self.secagg:
-            raise ValueError("dropout needs the fleet path (secagg = true or transport 'mqtt')")
         if self.dataset not in DATASETS:
             raise ValueError(f"dataset must be one of {DATASETS}, got {self.dataset!r}")
         if self.devices < 1:
@@ -103,11 +129,13 @@ class SimConfig:
             raise ValueError(f"rounds must be >= 1, got {self.rounds!r}")
         if not 0 < self.delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {self.delta!r}")
-        if self.weighting not in ("uniform", "samples"):
-            raise ValueError(f"weighting must be 'uniform' or 'samples', got {self.weighting!r}")
-        if self.mechanism not in ("gaussian", "update-noise", "binomial", "ddg", "device-dp"):
-            raise ValueError("mechanism must be 'gaussian', 'update-noise', 'binomial', "
-                             f"'ddg' or 'device-dp', got {self.mechanism!r}")
+        if self.weighting != "uniform":
+            raise ValueError(f"weighting must be 'uniform', got {self.weighting!r} (the sum "
+                             "is unweighted: weights by data size would reveal each "
+                             "device's m)")
+        if self.mechanism not in MECHANISM_NAMES:
+            raise ValueError(f"mechanism must be one of {list(MECHANISM_NAMES)}, "
+                             f"got {self.mechanism!r}")
         if self.server_opt not in OPTIMIZERS:
             raise ValueError(f"server_opt must be one of {sorted(OPTIMIZERS)}, "
                              f"got {self.server_opt!r}")
@@ -126,6 +154,15 @@ class SimConfig:
             raise ValueError(f"eval_every must be >= 1, got {self.eval_every!r}")
         parse_scheme(self.partition)
         self.local()  # validates the local-round settings
+        b = self.budget_epsilon
+        if b is not None and not (isinstance(b, int | float) and not isinstance(b, bool)
+                                  and math.isfinite(b) and b > 0):
+            raise ValueError(f"budget_epsilon must be None (see SimConfig) or finite and > 0, "
+                             f"got {b!r}")
+        if self.cohort_size < 3:
+            raise ValueError(f"a round needs a cohort of >= 3 devices (secure aggregation's "
+                             f"minimum, and the round core's on both paths), participation "
+                             f"* devices gives {self.cohort_size}")
         if self.secagg:
             self.fleet_checks()
 
@@ -145,9 +182,6 @@ class SimConfig:
 
     def device_dp_checks(self) -> None:
         """Raise ValueError for settings mechanism ``device-dp`` cannot run (see the class)."""
-        if not self.secagg:
-            raise ValueError("mechanism 'device-dp' runs on the fleet path only (secagg = "
-                             "true or transport 'mqtt')")
         s = self.update_clip
         if s is None or not (math.isfinite(s) and s > 0):
             raise ValueError(f"mechanism 'device-dp' needs update_clip S (the update's L2 "
@@ -171,10 +205,6 @@ class SimConfig:
         if self.update_clip is not None:
             raise ValueError(f"mechanism 'ddg' clips per sample, not the update: "
                              f"update_clip must be unset, got {self.update_clip!r}")
-        if self.weighting != "uniform":
-            raise ValueError("mechanism 'ddg' sums samples and divides by the public r x "
-                             "mean local data size: weighting must be 'uniform', got "
-                             f"{self.weighting!r}")
         if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
             raise ValueError(f"noise_multiplier must be finite and >= 0, "
                              f"got {self.noise_multiplier!r}")
@@ -188,21 +218,17 @@ class SimConfig:
 
     def fleet_checks(self) -> None:
         """Raise ValueError for settings the fleet path (secure aggregation) cannot run."""
-        if self.mechanism not in ("gaussian", "update-noise", "ddg", "binomial", "device-dp"):
-            raise ValueError(f"secure aggregation runs mechanisms 'gaussian', 'update-noise', "
-                             f"'ddg', 'binomial' and 'device-dp', got {self.mechanism!r}")
-        if self.weighting != "uniform":
-            raise ValueError("secure aggregation sums uniformly: weighting must be 'uniform'")
+        if self.mechanism in SIMULATION_ONLY:
+            raise ValueError(f"secure aggregation runs mechanisms {sorted(MECHANISMS)} "
+                             f"({self.mechanism} is simulation-only), got "
+                             f"{self.mechanism!r}")
         if not math.isfinite(self.clip):
             raise ValueError("secure aggregation needs a finite clip (the devices' ledgers "
                              "and the fixed-point range depend on it)")
         if not self.noise_multiplier > 0 and self.mechanism != "binomial":  # its noise: trials
             raise ValueError("the fleet path needs noise_multiplier > 0: a device's ledger "
                              "refuses a release with unbounded epsilon")
-        if self.cohort_size < 3:
-            raise ValueError(f"secure aggregation needs a cohort of >= 3 devices, "
-                             f"participation * devices gives {self.cohort_size}")
-        for name in ("stage_timeout", "value_bound", "budget_epsilon"):
+        for name in ("stage_timeout", "value_bound"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be finite and > 0, got {v!r}")
@@ -241,3 +267,36 @@ def load_config(path: str | Path, **overrides: Any) -> SimConfig:
         if isinstance(values.get(key), str):
             values[key] = float(values[key])
     return SimConfig(**values)
+
+
+def round_policy(cfg: SimConfig, sizes: list[int], *, stage_timeout: float | None = None
+                 ) -> RoundPolicy:
+    """The round policy both paths run ``cfg`` under, for a fleet whose local data sets
+    have ``sizes`` samples (ddg's public largest and mean sizes; a simulated fleet's
+    public facts). ``stage_timeout``: the fleet's (default ``cfg.stage_timeout``).
+
+    Raises:
+        ValueError: settings the round core cannot plan (``RoundPolicy`` names which).
+    """
+    extra: dict[str, Any] = {}
+    quant_levels = cfg.quant_levels
+    if cfg.mechanism == "update-noise":
+        extra = {"update_clip": cfg.update_clip}
+    elif cfg.mechanism == "ddg":
+        extra = {"gamma": cfg.gamma, "max_local_samples": max(sizes),
+                 "nominal_samples": float(np.mean(sizes))}
+    elif cfg.mechanism == "binomial":  # its quant_levels are its grid levels
+        extra = {"update_clip": cfg.update_clip, "trials": cfg.binomial_trials,
+                 "levels": cfg.quant_levels or 127}
+        quant_levels = 0
+    elif cfg.mechanism == "device-dp":
+        extra = {"update_clip": cfg.update_clip, "gamma": cfg.gamma}
+    return RoundPolicy(
+        fleet=FLEET_NAME, cohort_size=cfg.cohort_size,
+        stage_timeout=cfg.stage_timeout if stage_timeout is None else stage_timeout,
+        min_survivors=cfg.min_survivors, max_colluders=cfg.max_colluders,
+        max_rounds=cfg.rounds, mechanism=cfg.mechanism, steps=cfg.local_steps,
+        batch_size=cfg.batch_size, lr=cfg.lr, sampling=cfg.sampling, clip=cfg.clip,
+        noise_multiplier=cfg.noise_multiplier, sparsity=cfg.sparsity,
+        quant_levels=quant_levels, value_bound=cfg.value_bound,
+        server_opt=cfg.server_opt, server_lr=cfg.server_lr, seed=cfg.seed, **extra)

@@ -73,8 +73,9 @@ def aggregate_event(local: Event, *, honest_members: int, linear_sum: bool) -> E
       with integer noise added after those steps (issue 16) is what gives the sum a
       guarantee of its own.
     * the sum is unweighted: the aggregator adds the updates as they are (a sum weighted
-      by data size, as ``fedge simulate --weighting samples`` does, scales other members'
-      noise down relative to the target's signal and voids the construction).
+      by data size, as ``fedge simulate --weighting samples`` did before issue 15, scales
+      other members' noise down relative to the target's signal and voids the
+      construction).
     * every member divides every step by the same public B (never min(m, B)), and runs
       the plan's lr, z, C, tau and omega: the plan is signed and one for the cohort.
     * ``honest_members`` = r'' = min_survivors - max_colluders: a colluder knows, and can

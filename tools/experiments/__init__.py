@@ -155,21 +155,23 @@ def fed_spa_formula(*, sample_rate: float, rounds: int, local_steps: int,
 
 def _ddg_noise(settings: dict[str, Any], target: float, delta: float, rounds: int) -> float:
     """Smallest z whose distributed-discrete-Gaussian epsilon over ``rounds`` rounds of one
-    device (the simulator's :func:`~tools.simulate.ddg_plan` event, composed) is <= target."""
+    device (the aggregate-view event its ledger reserves, :func:`tools.simulate.ddg_event`,
+    composed) is <= target."""
     from edge_sdk.model import build_spec
     from edge_sdk.privacy import discrete_epsilon
     from tools.datasets import load_dataset
     from tools.simconfig import SimConfig
-    from tools.simulate import ddg_plan
+    from tools.simulate import ddg_event
 
     data = load_dataset(settings.get("dataset", "fashion-mnist"))
     d = build_spec(settings.get("model", "cnn"), data.input_shape, data.num_classes).num_params
 
     def eps_of(z: float) -> float:
         cfg = SimConfig(**{**settings, "noise_multiplier": z, "progress": False})
-        # The simulator's relation and share count (zero-out, n = r: no dropouts, no
-        # colluders), so the calibrated z is the one its accountant reports.
-        return discrete_epsilon(ddg_plan(cfg, d).event(rounds, adjacency="zero_out"), delta)
+        # the relation and share count the devices' ledgers state (zero-out, the plan's
+        # min_survivors - max_colluders honest shares), so the calibrated z is the one the
+        # summary's epsilon_aggregate reports
+        return discrete_epsilon(ddg_event(cfg, d, rounds), delta)
 
     return _smallest_noise(eps_of, target)
 

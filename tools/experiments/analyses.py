@@ -86,6 +86,14 @@ def _eps(r: dict[str, Any]) -> float:
     return math.inf if e is None else float(e)
 
 
+def _eps_aggregate(r: dict[str, Any]) -> float:
+    """The aggregate view (whoever sees only the sums): what a ddg run's theorem is about.
+    Summaries before plan15 G3 reported it as ``epsilon`` (n = r shares)."""
+    s = r["summary"]
+    e = s["epsilon_aggregate"] if "epsilon_aggregate" in s else s["epsilon"]
+    return math.inf if e is None else float(e)
+
+
 def _fmt(v: float | None, spec: str = ".3g") -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
@@ -453,7 +461,7 @@ def fedspa_ddg(exp: Any, records: list[dict[str, Any]], vdir: Path, docdir: Path
         wrapped += sum((r["summary"].get("ddg") or {}).get("wrapped_coordinates", 0)
                        for r in runs)
         z = runs[0]["noise"]["noise_multiplier"]
-        eps = _mean(runs, _eps)
+        eps = _mean(runs, _eps_aggregate)
         eps_s = "none (no noise)" if math.isnan(eps) else f"{eps:.3f}"
         row = (f"| {label} | {z:.3f} | {facts.get('sigma_dev', math.nan):.1f} | "
                f"{facts.get('bits', '-')} | {100 * _mean(runs, _best_acc):.2f} | {eps_s} | "

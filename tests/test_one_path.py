@@ -1,0 +1,121 @@
+"""One round, one code path (issue 15, plan15 G3 and §6.1): the fast simulator
+(``tools.simulate``: the round core, the mechanisms' device halves and PlainSum) and the
+fleet (``tools.fleet``: DeviceSession and RoundMachine with SecAgg+, over the in-memory
+broker or a real mosquitto) run the same rounds, so with the same config, seeds and
+dropouts they end with the same model, bit for bit, and every device's ledger holds the
+same spend."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tools.fleet import Fleet
+from tools.simconfig import SimConfig, load_config
+from tools.simulate import simulate
+
+CONFIG = Path(__file__).parents[1] / "tools" / "configs" / "onepath.toml"
+MECHANISMS = {"gaussian": {}, "gaussian-randk-qsgd": {"sparsity": 0.1, "quant_levels": 7},
+              "update-noise": {"mechanism": "update-noise"},
+              "ddg": {"mechanism": "ddg", "local_steps": 1},
+              "binomial": {"mechanism": "binomial", "binomial_trials": 1024, "quant_levels": 31},
+              "device-dp": {"mechanism": "device-dp", "update_clip": 1.0}}
+
+
+def _config(mechanism: str, **more: Any) -> SimConfig:
+    return load_config(CONFIG, progress=False, **MECHANISMS[mechanism], **more)
+
+
+def _fleet(cfg: SimConfig, tmp: Path, data: Any = None, engine: Any = None
+           ) -> tuple[dict[str, Any], dict[str, tuple[float, float]]]:
+    fleet = Fleet(cfg, tmp, data=data, engine=engine)
+    try:
+        summary = fleet.run()
+        spent = {n: fleet.ledgers[n].spent() for n in fleet.names}
+    finally:
+        fleet.close()
+    assert summary["note"] == ""
+    return summary, {n: (s.local_epsilon, s.aggregate_epsilon) for n, s in spent.items()}
+
+
+def _same_rounds(fast: dict[str, Any], fleet: dict[str, Any]) -> None:
+    def rows(s: dict[str, Any]) -> list[tuple[Any, ...]]:
+        return [(r["round"], r["completed"], r["survivors"], r["dropped"]) for r in s["rounds"]]
+
+    assert rows(fast) == rows(fleet)
+    # the config drops someone in every round, and someone's upload is missing somewhere
+    assert all(r["dropped"] for r in fast["rounds"])
+    assert any(r["survivors"] < r["cohort"] for r in fast["rounds"])
+    assert fast["rounds_completed"] >= 1
+
+
+def _same_ledgers(fast: dict[str, Any], ledgers: dict[str, tuple[float, float]]) -> None:
+    got = {n: tuple(v) for n, v in fast["device_epsilon"].items()}
+    assert got == ledgers
+    assert any(e > 0 for e, _ in ledgers.values())
+    assert fast["epsilon"] == max(e for e, _ in ledgers.values())
+
+
+@pytest.mark.parametrize("mechanism", sorted(MECHANISMS))
+def test_fast_simulator_and_inproc_fleet_give_the_same_model(
+        mechanism: str, tmp_path: Path, digits: Any, engine: Any) -> None:
+    cfg = _config(mechanism)
+    fast = simulate(cfg)
+    fleet, ledgers = _fleet(replace(cfg, secagg=True, transport="inproc"), tmp_path,
+                            digits, engine)
+    _same_rounds(fast, fleet)
+    assert fast["model_sha256"] == fleet["model_sha256"]
+    _same_ledgers(fast, ledgers)
+    assert fast["epsilon_aggregate"] == fleet["epsilon_aggregate"]
+    # each survivor uploaded the plan's length of ring values, bit-packed at its width
+    assert fast["rounds_failed"] == 0 and fast["bytes_up_payload"] == fast[
+        "device_rounds"] * math.ceil(fast["kept_coordinates"] * fast["ring_bits"] / 8)
+
+
+def test_the_round_machines_min_survivors_fails_the_same_rounds(
+        tmp_path: Path, digits: Any, engine: Any) -> None:
+    """min_survivors = the whole cohort: a round in which someone vanishes before the
+    unmask stage fails on both paths, with the round machine's words (the fast path judges
+    PlainSum's counts with ``round_core.short_of_survivors``, as the machine does)."""
+    cfg = _config("gaussian", min_survivors=6, max_colluders=0, rounds=4)
+    fast = simulate(cfg)
+    fleet, ledgers = _fleet(replace(cfg, secagg=True), tmp_path, digits, engine)
+
+    def rows(s: dict[str, Any]) -> list[tuple[Any, ...]]:
+        return [(r["round"], r["completed"], r["detail"], r["survivors"], r["dropped"])
+                for r in s["rounds"]]
+
+    assert rows(fast) == rows(fleet)
+    assert any("below min_survivors 6" in r["detail"] for r in fast["rounds"])
+    assert any(r["completed"] for r in fast["rounds"])
+    assert fast["model_sha256"] == fleet["model_sha256"]
+    _same_ledgers(fast, ledgers)
+
+
+def test_a_different_dropout_seed_gives_another_model() -> None:
+    """The equality above is not vacuous: the model depends on who drops out."""
+    a = simulate(_config("gaussian"))
+    b = simulate(_config("gaussian", dropout=0.4))
+    assert a["rounds"] != b["rounds"] and a["model_sha256"] != b["model_sha256"]
+
+
+@pytest.mark.broker
+@pytest.mark.parametrize("mechanism", [
+    "gaussian",
+    pytest.param("gaussian-randk-qsgd", marks=pytest.mark.slow),
+    pytest.param("update-noise", marks=pytest.mark.slow),
+    pytest.param("ddg", marks=pytest.mark.slow),
+])
+def test_fast_simulator_and_mqtt_fleet_give_the_same_model(
+        mechanism: str, tmp_path: Path, digits: Any, engine: Any) -> None:
+    cfg = _config(mechanism)
+    fast = simulate(cfg)
+    fleet, ledgers = _fleet(replace(cfg, transport="mqtt", secagg=True),
+                            tmp_path, digits, engine)
+    _same_rounds(fast, fleet)
+    assert fast["model_sha256"] == fleet["model_sha256"]
+    _same_ledgers(fast, ledgers)
