@@ -493,15 +493,15 @@ def test_cli_runs_device_dp_on_the_fleet_path(tmp_path) -> None:
     assert 0 < summary["epsilon_aggregate"] < summary["epsilon"]
 
 
-def test_the_fast_path_refuses_device_dp() -> None:
+def test_a_device_dp_config_needs_its_update_clip() -> None:
+    """Both paths run device-dp (the fast one since G3: tests/test_one_path.py checks they
+    give the same model and ledgers); a config without S is refused on either."""
     from tools.simconfig import SimConfig
 
-    with pytest.raises(ValueError, match="runs on the fleet path only"):
-        SimConfig(dataset="digits", model="logreg", mechanism="device-dp", update_clip=1.0,
-                  clip=1.0)
-    with pytest.raises(ValueError, match="needs update_clip"):
-        SimConfig(dataset="digits", model="logreg", mechanism="device-dp", clip=1.0,
-                  secagg=True)
+    for secagg in (False, True):
+        with pytest.raises(ValueError, match="needs update_clip"):
+            SimConfig(dataset="digits", model="logreg", mechanism="device-dp", clip=1.0,
+                      secagg=secagg)
 
 
 def test_on_the_device_csprng_both_modes(model) -> None:
