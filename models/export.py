@@ -88,8 +88,13 @@ def _export(module: torch.nn.Module, args: tuple, names_in: list[str], names_out
     _check_dynamic_batch(model, batch_inputs, path)
 
 
-def export_variant(spec: ModelSpec, out_dir: Path = ONNX_DIR) -> Path:
-    """Write ``<name>.{grad,maskgrad,infer}.onnx`` and ``<name>.json``; return the json."""
+def export_variant(spec: ModelSpec, out_dir: Path = ONNX_DIR, *, plain: bool = False) -> Path:
+    """Write ``<name>.{grad,maskgrad,infer}.onnx`` and ``<name>.json``; return the json.
+
+    ``plain``: also ``<name>.plaingrad.onnx``, ``(*params, x, y) -> (losses, *grad_sums)``,
+    the batch's unclipped summed gradient for the device-level mode, recorded in the
+    manifest as ``plain_grad_graph`` (without it a device computes the same sum from the
+    per-sample graph with clip = inf). Off by default so the zoo's files stay as they are."""
     out_dir.mkdir(parents=True, exist_ok=True)
     name = variant_name(spec.name, spec.input_shape, spec.num_classes)
     shapes = spec.param_shapes()
@@ -115,6 +120,10 @@ def export_variant(spec: ModelSpec, out_dir: Path = ONNX_DIR) -> Path:
             out_dir / f"{name}.maskgrad.onnx")
     _export(Logits(spec), (*params, x), [*pnames, "x"], ["logits"], ["x"],
             out_dir / f"{name}.infer.onnx")
+    if plain:
+        _export(PerSampleGrad(spec, plain=True), (*params, x, y), [*pnames, "x", "y"],
+                ["losses", *(f"grad.{n}" for n in pnames)], ["x", "y"],
+                out_dir / f"{name}.plaingrad.onnx")
     manifest = {
         "format": 1,
         "name": name,
@@ -126,6 +135,8 @@ def export_variant(spec: ModelSpec, out_dir: Path = ONNX_DIR) -> Path:
         "grad_outputs": grad_outputs,
         "opset": OPSET,
     }
+    if plain:
+        manifest["plain_grad_graph"] = f"{name}.plaingrad.onnx"
     if spec.input_dtype != "float32":  # float models' manifests keep their form
         manifest["input_dtype"] = spec.input_dtype
     path = out_dir / f"{name}.json"

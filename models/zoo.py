@@ -15,8 +15,10 @@ from torch import nn
 from edge_sdk.model import (
     BATCHNORM_REASON,
     DROPOUT_REASON,
+    Add,
     AvgPool1d,
     AvgPool2d,
+    Concat,
     Conv1d,
     Conv2d,
     Embedding,
@@ -38,11 +40,50 @@ from edge_sdk.model import (
 )
 
 
-def build_module(spec: ModelSpec, params: Sequence[np.ndarray] | None = None) -> nn.Sequential:
-    """An ``nn.Sequential`` equal to ``spec``; loads ``params`` (graph order) when given."""
+class AddNode(nn.Module):
+    """The sum of its inputs (a residual connection)."""
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        out = xs[0]
+        for x in xs[1:]:
+            out = out + x
+        return out
+
+
+class ConcatNode(nn.Module):
+    """Its inputs concatenated along the channel axis (dim 1 of a batch)."""
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        return torch.cat(xs, dim=1)
+
+
+class SpecGraph(nn.Module):
+    """A graph spec as a torch module: ``layers[i]`` reads the nodes ``inputs[i]`` (-1: the
+    module's input). Parameters in spec order, as ``nn.Sequential`` has them for a chain."""
+
+    def __init__(self, layers: Sequence[nn.Module], inputs: Sequence[Sequence[int]]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.inputs = [tuple(srcs) for srcs in inputs]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs: list[torch.Tensor] = []
+        for layer, srcs in zip(self.layers, self.inputs, strict=True):
+            outs.append(layer(*(x if j < 0 else outs[j] for j in srcs)))
+        return outs[-1]
+
+
+def build_module(spec: ModelSpec,
+                 params: Sequence[np.ndarray] | None = None) -> nn.Sequential | SpecGraph:
+    """An ``nn.Sequential`` equal to a chain ``spec`` (a :class:`SpecGraph` for a graph);
+    loads ``params`` (graph order) when given."""
     mods: list[nn.Module] = []
     for layer in spec.layers:
-        if isinstance(layer, Embedding):
+        if isinstance(layer, Add):
+            mods.append(AddNode())
+        elif isinstance(layer, Concat):
+            mods.append(ConcatNode())
+        elif isinstance(layer, Embedding):
             mods.append(nn.Embedding(layer.num_embeddings, layer.embedding_dim))
         elif isinstance(layer, Linear):
             mods.append(nn.Linear(layer.in_features, layer.out_features))
@@ -81,7 +122,8 @@ def build_module(spec: ModelSpec, params: Sequence[np.ndarray] | None = None) ->
             mods.append(nn.Hardswish())
         else:
             raise UnsupportedLayer(f"no torch module for layer {layer!r}")
-    module = nn.Sequential(*mods)
+    module = (nn.Sequential(*mods) if spec.inputs is None
+              else SpecGraph(mods, [spec.node_inputs(i) for i in range(len(mods))]))
     if params is not None:
         load_params(module, params)
     return module

@@ -108,12 +108,16 @@ class _Tapped(torch.nn.Module):
         def tap(h):
             return self.tap(next(count), h)
 
-        for layer in self.inner:
+        layers = getattr(self.inner, "layers", self.inner)  # a SpecGraph, or a Sequential
+        inputs = getattr(self.inner, "inputs", [(i - 1,) for i in range(len(layers))])
+        outs: list[torch.Tensor] = []
+        for layer, srcs in zip(layers, inputs, strict=True):
+            ins = [x if j < 0 else outs[j] for j in srcs]
             if isinstance(layer, torch.nn.LayerNorm | torch.nn.GroupNorm):
-                x = tap(_norm_tapped(layer, x, tap))
+                outs.append(tap(_norm_tapped(layer, ins[0], tap)))
             else:
-                x = tap(layer(x))
-        return x
+                outs.append(tap(layer(*ins)))
+        return outs[-1]
 
 
 def _rounding_bound(spec: ModelSpec, params, x, y) -> np.ndarray:
@@ -1090,3 +1094,209 @@ def test_the_tolerance_still_catches_an_injected_error(case: int, rel: float) ->
     with pytest.raises(AssertionError, match="Not equal to tolerance"):
         check_against_torch_func(spec, (_Injected(engine, rel * scale),), b=b, seed=seed,
                                  params=params, x=x, y=y)
+
+
+# --- 6. graphs: residual addition and channel concatenation ----------------------------------
+
+def _res_spec(dims: int, stem: bool, c: int, groups: int, spatial: tuple[int, ...], k: int,
+              act, classes: int) -> ModelSpec:
+    """[stem conv ->] conv(k, same padding) -> GroupNorm -> act -> conv -> + skip -> act ->
+    global average -> linear: a ResNet-style block (the skip from the stem, or from x)."""
+    from edge_sdk.model import Add, Conv1d, Conv2d, GlobalAvgPool, GroupNorm
+
+    conv = Conv2d if dims == 2 else Conv1d
+    same = dict(kernel=k, padding=k // 2)
+    layers: list = [conv(in_channels=c, out_channels=c, kernel=1)] if stem else []
+    s0 = len(layers) - 1  # the skip's source: the stem, or the input (-1)
+    layers += [conv(in_channels=c, out_channels=c, **same),
+               GroupNorm(num_groups=groups, num_channels=c), act,
+               conv(in_channels=c, out_channels=c, **same), Add(), act,
+               GlobalAvgPool(dims=dims), Flatten(), Linear(in_features=c, out_features=classes)]
+    inputs = [(i - 1,) for i in range(len(layers))]
+    add = len(layers) - 5
+    inputs[add] = (add - 1, s0)
+    return ModelSpec(name="res", input_shape=(c, *spatial), num_classes=classes,
+                     layers=tuple(layers), inputs=tuple(inputs))
+
+
+def _cat_spec(dims: int, stem: bool, c: tuple[int, int, int], spatial: tuple[int, ...], act,
+              classes: int) -> ModelSpec:
+    """[stem ->] two branches (conv 1 | conv 3 same padding -> act) -> concat -> act ->
+    flatten -> linear (the branches read the stem, or x)."""
+    from edge_sdk.model import Concat, Conv1d, Conv2d
+
+    conv = Conv2d if dims == 2 else Conv1d
+    c0, c1, c2 = c
+    layers: list = [conv(in_channels=c0, out_channels=c0, kernel=1), act] if stem else []
+    src = len(layers) - 1
+    a = len(layers)
+    layers += [conv(in_channels=c0, out_channels=c1, kernel=1),
+               conv(in_channels=c0, out_channels=c2, kernel=3, padding=1), act, Concat(), act,
+               Flatten(),
+               Linear(in_features=(c1 + c2) * int(np.prod(spatial)), out_features=classes)]
+    inputs = [(i - 1,) for i in range(len(layers))]
+    inputs[a], inputs[a + 1], inputs[a + 3] = (src,), (src,), (a, a + 2)
+    return ModelSpec(name="cat", input_shape=(c0, *spatial), num_classes=classes,
+                     layers=tuple(layers), inputs=tuple(inputs))
+
+
+@HYPO
+@given(dims=st.sampled_from([1, 2]), stem=st.booleans(), groups=st.integers(1, 2),
+       per_group=st.integers(1, 2), spatial=st.tuples(st.integers(2, 5), st.integers(2, 5)),
+       k=st.sampled_from([1, 3]), act=ACTS, b=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_residual_block_matches_torch_func(dims, stem, groups, per_group, spatial, k, act, b,
+                                           seed) -> None:
+    spec = _res_spec(dims, stem, groups * per_group, groups, spatial[:dims], k, act, 3)
+    rng = np.random.default_rng(seed)
+    params = _perturbed(spec, rng)
+    x, y = _batch(spec, b, rng)
+    check_against_torch_func(spec, both(spec), b=b, seed=seed, params=params, x=x, y=y)
+
+
+@HYPO
+@given(dims=st.sampled_from([1, 2]), stem=st.booleans(),
+       c=st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 3)),
+       spatial=st.tuples(st.integers(1, 4), st.integers(1, 4)), act=ACTS, b=st.integers(1, 5),
+       seed=st.integers(0, 2**16))
+def test_concat_of_two_branches_matches_torch_func(dims, stem, c, spatial, act, b, seed) -> None:
+    spec = _cat_spec(dims, stem, c, spatial[:dims], act, 3)
+    check_against_torch_func(spec, both(spec), b=b, seed=seed)
+
+
+GRAPH_MODELS = {"residual": _res_spec(2, True, 4, 2, (5, 4), 3, Tanh(), 3),
+                "concat": _cat_spec(1, True, (2, 3, 2), (6,), Gelu(), 3)}
+
+
+@pytest.mark.parametrize("which", sorted(GRAPH_MODELS))
+def test_graph_onnx_graphs_match_torch_func_and_opacus(exported, which: str,
+                                                       monkeypatch) -> None:
+    spec = GRAPH_MODELS[which]
+    engine = exported(spec)
+    for b in (1, 9):
+        rng = np.random.default_rng(b)
+        params = _perturbed(spec, rng)
+        x, y = _batch(spec, b, rng)
+        check_against_torch_func(spec, (engine,), b=b, seed=b, params=params, x=x, y=y)
+    check_opacus_step(spec, engine, monkeypatch)
+
+
+def test_graph_specs_round_trip_and_bad_graphs_are_named() -> None:
+    from edge_sdk.model import Add, Concat
+
+    spec = GRAPH_MODELS["residual"]
+    d = spec.to_dict()
+    assert [e.get("inputs") for e in d["layers"]].count(None) == len(spec.layers) - 1
+    assert d["layers"][5]["inputs"] == ["l4", "l0"]
+    assert ModelSpec.from_dict(d) == spec
+    chain = ModelSpec(name="c", input_shape=(3,), num_classes=2,
+                      layers=(Linear(in_features=3, out_features=2),), inputs=((-1,),))
+    assert chain.inputs is None and "inputs" not in str(chain.to_dict())
+    lin = Linear(in_features=3, out_features=3)
+    out = Linear(in_features=3, out_features=2)
+    with pytest.raises(ValueError, match=r"layer 1 \(add\) adds inputs of different shapes"):
+        ModelSpec(name="g", input_shape=(3,), num_classes=2,
+                  layers=(Linear(in_features=3, out_features=4), Add(), out),
+                  inputs=((-1,), (0, -1), (1,)))
+    with pytest.raises(ValueError, match=r"layer 1 \(concat\) reads \[0\], expected two"):
+        ModelSpec(name="g", input_shape=(3,), num_classes=2, layers=(lin, Concat(), out),
+                  inputs=((-1,), (0,), (1,)))
+    with pytest.raises(ValueError, match=r"inputs must be earlier nodes"):
+        ModelSpec(name="g", input_shape=(3,), num_classes=2, layers=(lin, lin, out),
+                  inputs=((-1,), (2,), (1,)))
+    with pytest.raises(ValueError, match=r"nodes \['l0'\] are never read"):
+        ModelSpec(name="g", input_shape=(3,), num_classes=2, layers=(lin, lin, out),
+                  inputs=((-1,), (-1,), (1,)))
+    with pytest.raises(ValueError, match="'y1' is not a node name"):
+        ModelSpec.from_dict({**d, "layers": [{**d["layers"][0], "inputs": ["y1"]},
+                                             *d["layers"][1:]]})
+
+
+# --- 7. plain (unclipped) gradient graphs for the device-level mode --------------------------
+
+def _autograd_sum(spec: ModelSpec, params, x, y) -> np.ndarray:
+    """torch autograd of the batch's summed loss, in float64: the reference plain sum."""
+    module = build_module(spec, params).to(torch.float64)
+    ids = np.issubdtype(np.asarray(x).dtype, np.integer)
+    xt = torch.tensor(x) if ids else torch.tensor(x, dtype=torch.float64)
+    torch.nn.functional.cross_entropy(module(xt), torch.tensor(y), reduction="sum").backward()
+    return torch.cat([p.grad.reshape(-1) for p in module.parameters()]).numpy()
+
+
+def check_plain_sum(spec: ModelSpec, engines, *, b: int, seed: int) -> None:
+    """Each engine's plain summed gradient and losses equal torch autograd of the batch loss
+    (float32 tolerance: the samples' rounding bounds added, see check_against_torch_func)."""
+    rng = np.random.default_rng(seed)
+    params = _perturbed(spec, rng)
+    x, y = _batch(spec, b, rng)
+    ref = _autograd_sum(spec, params, x, y)
+    bound = _rounding_bound(spec, params, x, y).sum(axis=0).max()
+    tol = max((1e-5 * float(np.abs(ref).max()) + 2e-6) * max(1, b / 8), float(bound))
+    losses = torch.nn.functional.cross_entropy(
+        build_module(spec, params)(torch.tensor(x)), torch.tensor(y), reduction="none")
+    for engine in engines:
+        res = engine.grad_sum(params, x, y)
+        assert [g.shape for g in res.grad_sum] == [s for _, s in spec.param_shapes()]
+        np.testing.assert_allclose(np.concatenate([g.ravel() for g in res.grad_sum]), ref,
+                                   rtol=0, atol=tol)
+        np.testing.assert_allclose(res.losses, losses.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+class TorchPlainGraph:
+    """The plain graph module run eagerly, with the engine's contract."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+
+    def grad_sum(self, params, x, y):
+        from edge_sdk.engine import SumResult
+
+        with torch.no_grad():
+            out = PerSampleGrad(self.spec, plain=True)(
+                *(torch.tensor(p) for p in params), torch.tensor(x), torch.tensor(y))
+        return SumResult(out[0].numpy(), [g.numpy() for g in out[1:]])
+
+
+def _plain_models() -> dict[str, ModelSpec]:
+    return {**GRAPH_MODELS, "embed": EMBED_MODEL, "ds-cnn": DS_MODELS["dscnn2d"],
+            **{f"all-{k}": v for k, v in ALL_MODELS.items()}}
+
+
+@pytest.mark.parametrize("which", sorted(_plain_models()))
+def test_plain_grad_sum_equals_torch_autograd(which: str) -> None:
+    spec = _plain_models()[which]
+    for b in (1, 7):
+        check_plain_sum(spec, (TorchPlainGraph(spec), NumpyEngine(spec)), b=b, seed=b)
+
+
+def test_plain_graph_is_exported_beside_and_used_for_unclipped_steps(tmp_path) -> None:
+    """The exported plain graph equals torch autograd; the manifest records it; a step
+    without per-sample clipping (clip = inf) goes through it, and a manifest without one
+    (every model exported before it) gets the same sum from the per-sample graph."""
+    import json
+
+    spec = GRAPH_MODELS["residual"]
+    path = export_variant(spec, tmp_path, plain=True)
+    manifest = json.loads(path.read_text())
+    assert manifest["plain_grad_graph"] == "res-4x5x4-3.plaingrad.onnx"
+    engine = load_engine(path)
+    check_plain_sum(spec, (engine,), b=9, seed=4)
+
+    rng = np.random.default_rng(5)
+    params = _perturbed(spec, rng)
+    x, y = _batch(spec, 6, rng)
+    calls = []
+    plain_run = engine._plain().run
+    engine._plain = lambda: type("S", (), {"run": lambda s, *a: calls.append(1) or plain_run(*a)})()
+    theta = [p.copy() for p in params]
+    dp_sgd_step(engine, theta, x, y, clip=np.inf, noise=None, lr=0.1, denom=6)
+    assert calls == [1]
+    del manifest["plain_grad_graph"]
+    older = tmp_path / "older.json"
+    older.write_text(json.dumps(manifest))
+    fallback = load_engine(older)
+    theta2 = [p.copy() for p in params]
+    dp_sgd_step(fallback, theta2, x, y, clip=np.inf, noise=None, lr=0.1, denom=6)
+    for a, b2 in zip(theta, theta2, strict=True):
+        np.testing.assert_allclose(a, b2, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="a plain gradient graph has no masks"):
+        PerSampleGrad(spec, plain=True, masked=True)
