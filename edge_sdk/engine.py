@@ -17,6 +17,7 @@ return the full [B, d] per-sample gradients. Both engines clip with the factor
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -90,6 +91,7 @@ def load_manifest(path: str | Path) -> Manifest:
         masked = data.get("masked_grad_graph")
         plain = data.get("plain_grad_graph")
         declared = data.get("input_dtype", "float32")  # absent in float models' manifests
+        digests = data.get("graph_sha256", {})  # absent in the zoo's manifests
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{path}: not a valid fedge model manifest ({exc})") from exc
     if listed != spec.param_shapes():
@@ -98,6 +100,19 @@ def load_manifest(path: str | Path) -> Manifest:
         # the graphs' x input has the declared dtype; a spec that disagrees cannot feed it
         raise ValueError(f"{path}: input_dtype {declared!r} does not match the spec's "
                          f"{spec.input_dtype!r} (an Embedding first reads int64 ids)")
+    for key, want in dict(digests).items():
+        if key not in data:
+            raise ValueError(f"{path}: graph_sha256 names {key!r}, which the manifest lacks")
+        graph = path.parent / data[key]
+        try:
+            got = hashlib.sha256(graph.read_bytes()).hexdigest()
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot read {graph.name} ({exc})") from exc
+        if got != want:
+            # the graph would compute something other than the spec this manifest declares
+            raise ValueError(f"{path}: {graph.name} has sha256 {got}, but the manifest "
+                             f"records {want} for it: refusing a graph that does not match "
+                             "its manifest (re-export the model)")
     return Manifest(
         name=str(data["name"]),
         spec=spec,
