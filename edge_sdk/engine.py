@@ -7,7 +7,14 @@ names and shapes) beside two ONNX graphs whose inputs are the weights:
 * the inference graph ``(*params, x) -> logits``;
 * the masked gradient graph ``(*params, *masks, x, y, clip) -> (...)``: the same, restricted
   to the coordinates where the 0/1 masks are 1 (norms, clipping and sums over those only),
-  for rand-k sparsified training (Fed-SPA).
+  for rand-k sparsified training (Fed-SPA);
+* optionally the plain gradient graph ``(*params, x, y) -> (losses, *grad_sums)``: the
+  batch's unclipped summed gradient (device-level mode; without it ``grad_sum`` uses the
+  per-sample graph with clip = inf).
+
+A manifest may record each graph's sha256 (``graph_sha256``, written by ``fedge export
+--module``); :func:`load_manifest` then refuses a graph file that does not match, so a
+device never runs a graph other than the one its spec was exported with.
 
 :class:`NumpyEngine` computes the same formulas in numpy from the spec alone. It is the
 torch-free reference and the fallback when onnxruntime is unavailable, and it can also

@@ -37,6 +37,10 @@ out layer by layer for the supported set, with the weights as graph inputs:
   clipped sum one MatMul of the scaled d with the one-hot ids.
 * Tanh, Sigmoid, GELU (erf or tanh form), LeakyReLU, Hardswish: the upstream gradient times
   f'(pre-activation), f' written out as torch's autograd computes it (see ``activation``).
+* Graphs (``ModelSpec.inputs``): Add passes its gradient unchanged to each input, Concat
+  splits it by channels; a node read by several layers adds what they send back; gradients
+  are only carried to nodes with parameters upstream (a chain: nothing below its first
+  parameterised layer, as before, so chains trace to the same graphs).
 
 Outputs: per-sample L2 norms [B] of the full gradient, per-sample losses [B], then the
 sum over the batch of the clipped per-sample gradients, one output per parameter.
@@ -47,6 +51,10 @@ the masked per-sample gradients (for a Linear layer sum_oi M_oi d_o^2 a_i^2, one
 (d*d) @ M), clipping on those norms, and the masked clipped sum.
 Clip factor: min(1, C / max(norm, tiny)), so zero gradients stay zero and C = inf
 disables clipping.
+
+The plain variant (``plain=True``) returns per-sample losses and the batch's unclipped
+summed gradient, without norms, for the device-level mode (each device clips its whole
+update, issue 16).
 """
 
 from __future__ import annotations

@@ -173,53 +173,53 @@ def layer_of(mod: nn.Module, where: str) -> Any:
     kind = type(mod).__name__
     if (isinstance(mod, nn.Embedding) and mod.padding_idx is None and mod.max_norm is None
             and not mod.scale_grad_by_freq):
-        return (Embedding(num_embeddings=mod.num_embeddings,
-                                embedding_dim=mod.embedding_dim))
+        return Embedding(num_embeddings=mod.num_embeddings,
+                         embedding_dim=mod.embedding_dim)
     elif isinstance(mod, nn.Linear) and mod.bias is not None:
-        return (Linear(in_features=mod.in_features, out_features=mod.out_features))
+        return Linear(in_features=mod.in_features, out_features=mod.out_features)
     elif (isinstance(mod, nn.Conv2d | nn.Conv1d) and mod.bias is not None
           and len(set(mod.kernel_size)) == 1 and len(set(mod.stride)) == 1
           and isinstance(mod.padding, tuple) and len(set(mod.padding)) == 1
           and len(set(mod.dilation)) == 1 and mod.padding_mode == "zeros"):
         cls = Conv2d if isinstance(mod, nn.Conv2d) else Conv1d
-        return (cls(in_channels=mod.in_channels, out_channels=mod.out_channels,
-                          kernel=mod.kernel_size[0], stride=mod.stride[0],
-                          padding=mod.padding[0], dilation=mod.dilation[0],
-                          groups=mod.groups))
+        return cls(in_channels=mod.in_channels, out_channels=mod.out_channels,
+                   kernel=mod.kernel_size[0], stride=mod.stride[0],
+                   padding=mod.padding[0], dilation=mod.dilation[0],
+                   groups=mod.groups)
     elif (isinstance(mod, nn.MaxPool2d | nn.MaxPool1d) and _pool_plain(mod)
           and _one(mod.dilation) == 1 and len(set(np.atleast_1d(mod.dilation))) == 1
           and not mod.return_indices):
         cls = MaxPool2d if isinstance(mod, nn.MaxPool2d) else MaxPool1d
-        return (cls(kernel=_one(mod.kernel_size), stride=_one(mod.stride)))
+        return cls(kernel=_one(mod.kernel_size), stride=_one(mod.stride))
     elif isinstance(mod, nn.ReLU):
-        return (Relu())
+        return Relu()
     elif isinstance(mod, nn.Flatten):
-        return (Flatten())
+        return Flatten()
     elif (isinstance(mod, nn.AvgPool2d | nn.AvgPool1d) and _pool_plain(mod)):
         cls = AvgPool2d if isinstance(mod, nn.AvgPool2d) else AvgPool1d
-        return (cls(kernel=_one(mod.kernel_size), stride=_one(mod.stride)))
+        return cls(kernel=_one(mod.kernel_size), stride=_one(mod.stride))
     elif (isinstance(mod, nn.AdaptiveAvgPool2d | nn.AdaptiveAvgPool1d)
           and set(np.atleast_1d(mod.output_size).tolist()) == {1}):
-        return (GlobalAvgPool(dims=2 if isinstance(mod, nn.AdaptiveAvgPool2d) else 1))
+        return GlobalAvgPool(dims=2 if isinstance(mod, nn.AdaptiveAvgPool2d) else 1)
     elif (isinstance(mod, nn.LayerNorm) and mod.elementwise_affine
           and mod.bias is not None):
-        return (LayerNorm(normalized_shape=tuple(mod.normalized_shape),
-                                eps=float(mod.eps)))
+        return LayerNorm(normalized_shape=tuple(mod.normalized_shape),
+                         eps=float(mod.eps))
     elif isinstance(mod, nn.GroupNorm) and mod.affine:
-        return (GroupNorm(num_groups=mod.num_groups, num_channels=mod.num_channels,
-                                eps=float(mod.eps)))
+        return GroupNorm(num_groups=mod.num_groups, num_channels=mod.num_channels,
+                         eps=float(mod.eps))
     elif isinstance(mod, nn.modules.batchnorm._BatchNorm):
         raise UnsupportedLayer(f"{where} ({kind}: {mod}): {BATCHNORM_REASON}")
     elif isinstance(mod, nn.Tanh):
-        return (Tanh())
+        return Tanh()
     elif isinstance(mod, nn.Sigmoid):
-        return (Sigmoid())
+        return Sigmoid()
     elif isinstance(mod, nn.GELU):
-        return (Gelu(approximate=mod.approximate))
+        return Gelu(approximate=mod.approximate)
     elif isinstance(mod, nn.LeakyReLU):
-        return (LeakyRelu(negative_slope=float(mod.negative_slope)))
+        return LeakyRelu(negative_slope=float(mod.negative_slope))
     elif isinstance(mod, nn.Hardswish):
-        return (Hardswish())
+        return Hardswish()
     elif isinstance(mod, nn.modules.dropout._DropoutNd):
         raise UnsupportedLayer(f"{where} ({kind}: {mod}): {DROPOUT_REASON}")
     else:
