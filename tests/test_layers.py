@@ -1257,7 +1257,15 @@ class TorchPlainGraph:
 
 
 def _plain_models() -> dict[str, ModelSpec]:
-    return {**GRAPH_MODELS, "embed": EMBED_MODEL, "ds-cnn": DS_MODELS["dscnn2d"],
+    from edge_sdk.model import Conv1d, Conv2d, Relu
+
+    dilated = {}  # the plain graph's conv-of-the-batch weight gradient: padding and dilation
+    for conv, shape, width in ((Conv2d, (2, 7, 6), 2 * 7 * 6), (Conv1d, (2, 9), 2 * 9)):
+        dilated[conv.__name__] = ModelSpec(name="dil", input_shape=shape, num_classes=3, layers=(
+            conv(in_channels=2, out_channels=3, kernel=1), Relu(),
+            conv(in_channels=3, out_channels=2, kernel=3, padding=2, dilation=2), Relu(),
+            Flatten(), Linear(in_features=width, out_features=3)))
+    return {**GRAPH_MODELS, "embed": EMBED_MODEL, "ds-cnn": DS_MODELS["dscnn2d"], **dilated,
             **{f"all-{k}": v for k, v in ALL_MODELS.items()}}
 
 
