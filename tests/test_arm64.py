@@ -16,12 +16,21 @@ import os
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from tools.arm64_check import ARM_DEVICE, DEVICES, TOLERANCE
+from tools.arm64_check import (
+    ARM_DEVICE,
+    DEVICES,
+    TOLERANCE,
+    _compare,
+    _write_inputs,
+    rel_diff,
+    run_round,
+)
 
-# ~4-6 min with the userland cached (pip under qemu most of it), +5.5 min to build it once
-pytestmark = [pytest.mark.slow, pytest.mark.broker]
+# the script: 2.5-3 min with the userland cached (pip under qemu most of it), +5.5 min to
+# build it once; the tests of its Python half on x86 alone are fast and in the default suite
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tools" / "arm64_check.sh"
@@ -53,6 +62,8 @@ def summary(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return got
 
 
+@pytest.mark.slow
+@pytest.mark.broker
 def test_the_device_stack_installs_on_aarch64_without_extras(summary: dict) -> None:
     stack = summary["stack"]
     assert all(name in stack["packages"] for name in DEVICE_STACK), stack["packages"]
@@ -64,6 +75,8 @@ def test_the_device_stack_installs_on_aarch64_without_extras(summary: dict) -> N
     assert summary["debian"].startswith("12."), summary["debian"]  # bookworm
 
 
+@pytest.mark.slow
+@pytest.mark.broker
 def test_a_dp_sgd_round_on_aarch64_matches_x86_on_both_engines(summary: dict) -> None:
     r = summary["round"]
     assert "error" not in r, r
@@ -81,6 +94,8 @@ def test_a_dp_sgd_round_on_aarch64_matches_x86_on_both_engines(summary: dict) ->
     assert r["ok"] is True
 
 
+@pytest.mark.slow
+@pytest.mark.broker
 def test_an_aarch64_device_takes_part_in_a_round_with_an_x86_aggregator(summary: dict) -> None:
     m = summary["mqtt"]
     assert "error" not in m, m
@@ -90,3 +105,33 @@ def test_an_aarch64_device_takes_part_in_a_round_with_an_x86_aggregator(summary:
     assert m["aarch64_uploaded_bytes"] > 0, m
     assert set(m["exit_codes"].values()) == {0}, m["exit_codes"]
     assert m["ok"] is True and summary["ok"] is True and summary["failed"] == []
+
+
+def test_rel_diff_is_the_relative_l2_distance() -> None:
+    assert rel_diff(np.array([3.0, 4.0]), np.array([3.0, 4.0])) == 0.0
+    assert rel_diff(np.array([3.0, 5.0]), np.array([3.0, 4.0])) == pytest.approx(0.2)
+    assert rel_diff(np.array([3.0, 4.0]), np.zeros(2)) == pytest.approx(5.0)  # |a| when b is 0
+    with pytest.raises(ValueError, match="cannot compare arrays of 3 and 2 values"):
+        rel_diff(np.zeros(3), np.zeros(2))
+
+
+def test_the_round_is_reproducible_and_the_engines_agree_within_the_tolerance(
+        tmp_path: Path) -> None:
+    """The x86 half of the comparison: the same inputs give the same results bit for bit,
+    and the two engines (independent implementations) agree within the tolerance the
+    aarch64 comparison uses, so the tolerance is neither vacuous nor too tight for float32."""
+    _write_inputs(tmp_path / "in.npz")
+    report = run_round(tmp_path / "in.npz", tmp_path / "a.npz")
+    run_round(tmp_path / "in.npz", tmp_path / "b.npz")
+    same = _compare(tmp_path / "a.npz", tmp_path / "b.npz", TOLERANCE)
+    assert same["max_rel_diff"] == 0.0 and same["ok"] is True
+    engines = same["numpy_vs_onnx"]["x86"]
+    assert 0 < engines["grad"] <= TOLERANCE and 0 < engines["update"] <= TOLERANCE, engines
+    with np.load(tmp_path / "a.npz") as f:
+        assert np.linalg.norm(f["numpy.update"]) > 0 and f["onnx.norms"].shape == (16,)
+    for backend in ("numpy", "onnx"):
+        assert np.isfinite(report["engines"][backend]["mean_loss"])
+    # a wrong gradient is far outside it: one engine's gradient against a perturbed copy
+    with np.load(tmp_path / "a.npz") as f:
+        g = f["onnx.grad"]
+    assert rel_diff(g * 1.001, g) > 100 * TOLERANCE

@@ -357,8 +357,9 @@ def _mqtt_round(root: Path, venv: Path, work: Path, host_python: str) -> dict[st
 
 def _host(args: argparse.Namespace) -> int:
     root, venv, work = Path(args.root), Path(args.venv), Path(args.work)
-    if (root / str(work).lstrip("/")).resolve() != (root / str(work).lstrip("/")):
-        raise SystemExit(f"{work} must be an absolute path without symlinks")
+    if not work.is_absolute() or work.resolve() != work:
+        # the userland sees it at the same path (a bind mount): paths pass between the two
+        raise SystemExit(f"--work {work} must be an absolute path without symlinks")
     summary: dict[str, Any] = {"check": "fedge device stack on aarch64 (qemu-user) vs x86"}
     if args.setup:
         summary.update(json.loads(Path(args.setup).read_text()))

@@ -8,7 +8,7 @@
 #    mosquitto) and registers qemu's aarch64 interpreter with the kernel (binfmt_misc);
 # 2. builds a Debian bookworm arm64 userland (minbase + python3, python3-venv) with
 #    mmdebstrap, cached in DIR/rootfs (default out/arm64/ in this tree; rebuilt when the
-#    recipe below changes; the first build downloads ~40 MB from the Debian mirror);
+#    recipe below changes; the first build downloads its packages from the Debian mirror);
 # 3. installs this tree there without extras, in a fresh venv (/opt/fedge), from PyPI's
 #    aarch64 wheels (pip's cache kept in the userland): the device stack alone;
 # 4. runs `python -m tools.arm64_check host` (x86, this tree's .venv): a DP-SGD round on
@@ -30,6 +30,7 @@ set -euo pipefail
 if [[ -z "${FEDGE_ARM64_NICED:-}" ]]; then  # everything below at low priority
     FEDGE_ARM64_NICED=1 exec nice -n 15 "$0" "$@"
 fi
+{  # read whole before it runs: editing this file meanwhile cannot change a running check
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 CACHE="$REPO/out/arm64"
@@ -103,6 +104,12 @@ grep -q '^flags:.*F' "$BINFMT/qemu-aarch64" && FIX_BINARY=1
 
 # ------------------------------------------------------------------- 3. the userland
 mounted_under() { findmnt -rn -o TARGET | awk -v r="$1" 'index($0, r "/") == 1'; }
+# a run killed outright (SIGKILL: no cleanup) leaves its mounts; the lock says none is ours
+stale=$(mounted_under "$ROOT" | sort -r)
+if [[ -n "$stale" ]]; then
+    log "unmounting what an interrupted run left under $ROOT"
+    while read -r m; do umount "$m" 2>/dev/null || umount -l "$m"; done <<<"$stale"
+fi
 BUILD_S=0
 if [[ -f "$ROOT/.fedge-recipe" && "$(cat "$ROOT/.fedge-recipe")" == "$RECIPE" ]]; then
     log "reusing the arm64 userland in $ROOT"
@@ -233,3 +240,4 @@ rc=$?
 set -e
 log "done in $(elapsed "$T_START") s (exit $rc)"
 exit "$rc"
+}
