@@ -56,7 +56,7 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 
-[[ "$(id -u)" == 0 ]] || die 2 "must run as root (apt-get, binfmt_misc, mounts, chroot); " \
+[[ "$(id -u)" == 0 ]] || die 2 "must run as root (apt-get, binfmt_misc, mounts, chroot);" \
     "try: sudo $0"
 [[ "$(uname -m)" == x86_64 ]] || die 2 "the host must be x86_64 (it is $(uname -m)): the" \
     "check compares aarch64 with x86"
@@ -91,8 +91,11 @@ if [[ ! -e "$BINFMT/register" ]]; then
            "was refused (a container without CAP_SYS_ADMIN, or a kernel without" \
            "CONFIG_BINFMT_MISC)"
 fi
-if ! grep -qx enabled "$BINFMT/qemu-aarch64" 2>/dev/null; then
-    update-binfmts --enable qemu-aarch64 >&2 2>/dev/null || true
+if [[ -e "$BINFMT/qemu-aarch64" ]]; then
+    # registered but disabled: update-binfmts --enable leaves such an entry as it is
+    grep -qx enabled "$BINFMT/qemu-aarch64" || echo 1 >"$BINFMT/qemu-aarch64" || true
+else
+    update-binfmts --enable qemu-aarch64 >&2 || true
 fi
 grep -qx enabled "$BINFMT/qemu-aarch64" 2>/dev/null \
     || die 3 "this kernel cannot run aarch64 binaries: registering qemu-aarch64 in $BINFMT" \
@@ -109,6 +112,11 @@ stale=$(mounted_under "$ROOT" | sort -r)
 if [[ -n "$stale" ]]; then
     log "unmounting what an interrupted run left under $ROOT"
     while read -r m; do umount "$m" 2>/dev/null || umount -l "$m"; done <<<"$stale"
+fi
+if [[ -d "$ROOT/tmp" && -z "$(mounted_under "$ROOT")" ]]; then
+    # what earlier runs left in the userland's /tmp (a killed pip's build directories, work
+    # mount points): none is in use while we hold the lock and nothing is mounted
+    rm -rf --one-file-system "${ROOT:?}/tmp/"* "$ROOT/tmp/".[!.]* 2>/dev/null || true
 fi
 BUILD_S=0
 if [[ -f "$ROOT/.fedge-recipe" && "$(cat "$ROOT/.fedge-recipe")" == "$RECIPE" ]]; then
