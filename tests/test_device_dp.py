@@ -551,10 +551,10 @@ def test_a_device_dp_config_needs_its_update_clip() -> None:
     give the same model and ledgers); a config without S is refused on either."""
     from tools.simconfig import SimConfig
 
-    for secagg in (False, True):
+    for fleet_path in (False, True):
         with pytest.raises(ValueError, match="needs update_clip"):
             SimConfig(dataset="digits", model="logreg", mechanism="device-dp", clip=1.0,
-                      secagg=secagg)
+                      secagg=fleet_path)
 
 
 def test_on_the_device_csprng_both_modes(model) -> None:
