@@ -6,15 +6,32 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from edge_sdk import compress
 from edge_sdk.fixedpoint import FixedPoint
 
-__all__ = ["Layout", "encode_reals", "layout_of", "shaped"]
+__all__ = ["Layout", "LayoutServer", "encode_reals", "layout_of", "shaped"]
 
 Layout = tuple[tuple[int, ...], ...]  # the model's parameter shapes, graph order
+
+
+class LayoutServer:
+    """Base of a server half whose state is the model's layout (every mechanism's today):
+    :meth:`init` for a half whose round settings ``params`` state the model's ``dim``."""
+
+    __slots__ = ()
+    params: Any
+
+    def init(self, params: Sequence[np.ndarray]) -> Layout:
+        """The layout of the model ``params`` (graph order), which ``decode`` fills.
+
+        Raises:
+            ValueError: the model does not have the ``dim`` parameters of the round.
+        """
+        return layout_of(params, self.params.dim)
 
 
 def layout_of(params: Sequence[np.ndarray], dim: int) -> Layout:

@@ -51,7 +51,7 @@ import numpy as np
 from edge_sdk.ddp import MAX_BITS
 from edge_sdk.engine import Engine
 from edge_sdk.hazmat.ring import Ring
-from edge_sdk.mechanisms._layout import Layout, layout_of, shaped
+from edge_sdk.mechanisms._layout import Layout, LayoutServer, shaped
 from edge_sdk.mechanisms.base import Contribution
 from edge_sdk.privacy.binomial import CpsgdBinomial
 from edge_sdk.privacy.events import Binomial as BinomialEvent
@@ -272,18 +272,10 @@ class BinomialDevice:
 
 
 @dataclass(frozen=True, slots=True)
-class BinomialServer:
+class BinomialServer(LayoutServer):
     """The server half (see the module docstring). Its state is the model's layout."""
 
     params: BinomialRound
-
-    def init(self, params: Sequence[np.ndarray]) -> Layout:
-        """The layout of the model ``params`` (graph order), which :meth:`decode` fills.
-
-        Raises:
-            ValueError: the model does not have the ``dim`` parameters of the round.
-        """
-        return layout_of(params, self.params.dim)
 
     def decode(self, total: np.ndarray, survivors: int, state: Layout, *,
                coords: np.ndarray | None) -> tuple[list[np.ndarray], Layout]:

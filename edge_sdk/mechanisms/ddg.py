@@ -47,7 +47,7 @@ from edge_sdk import compress
 from edge_sdk.ddp import DEFAULT_BETA, MAX_BITS, choose_bits_bounded, rounded_l2_bound
 from edge_sdk.engine import Engine
 from edge_sdk.hazmat.ring import Ring
-from edge_sdk.mechanisms._layout import Layout, layout_of, shaped
+from edge_sdk.mechanisms._layout import Layout, LayoutServer, shaped
 from edge_sdk.mechanisms.base import Contribution
 from edge_sdk.privacy.events import DistributedDiscreteGaussian, Event
 from edge_sdk.train import local_round_ddg
@@ -282,18 +282,10 @@ class DdgDevice:
 
 
 @dataclass(frozen=True, slots=True)
-class DdgServer:
+class DdgServer(LayoutServer):
     """The server half (see the module docstring). Its state is the model's layout."""
 
     params: DdgRound
-
-    def init(self, params: Sequence[np.ndarray]) -> Layout:
-        """The layout of the model ``params`` (graph order), which :meth:`decode` fills.
-
-        Raises:
-            ValueError: the model does not have the ``dim`` parameters of the round.
-        """
-        return layout_of(params, self.params.dim)
 
     def decode(self, total: np.ndarray, survivors: int, state: Layout, *,
                coords: np.ndarray | None) -> tuple[list[np.ndarray], Layout]:

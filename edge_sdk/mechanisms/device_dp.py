@@ -99,7 +99,7 @@ import numpy as np
 
 from edge_sdk import compress, ddp
 from edge_sdk.engine import Engine
-from edge_sdk.mechanisms._layout import Layout, layout_of, shaped
+from edge_sdk.mechanisms._layout import Layout, LayoutServer, shaped
 from edge_sdk.mechanisms.base import Contribution
 from edge_sdk.model import flatten_params
 from edge_sdk.privacy.events import Event
@@ -410,18 +410,10 @@ class DeviceDpDevice:
 
 
 @dataclass(frozen=True, slots=True)
-class DeviceDpServer:
+class DeviceDpServer(LayoutServer):
     """The server half (see the module docstring). Its state is the model's layout."""
 
     params: DeviceDpRound
-
-    def init(self, params: Sequence[np.ndarray]) -> Layout:
-        """The layout of the model ``params`` (graph order), which :meth:`decode` fills.
-
-        Raises:
-            ValueError: the model does not have the ``dim`` parameters of the round.
-        """
-        return layout_of(params, self.params.dim)
 
     def decode(self, total: np.ndarray, survivors: int, state: Layout, *,
                coords: np.ndarray | None) -> tuple[list[np.ndarray], Layout]:

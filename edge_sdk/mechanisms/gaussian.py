@@ -33,7 +33,7 @@ import numpy as np
 from edge_sdk import compress
 from edge_sdk.engine import Engine
 from edge_sdk.fixedpoint import FixedPoint
-from edge_sdk.mechanisms._layout import Layout, encode_reals, layout_of, shaped
+from edge_sdk.mechanisms._layout import Layout, LayoutServer, encode_reals, shaped
 from edge_sdk.mechanisms.base import Contribution
 from edge_sdk.model import flatten_params
 from edge_sdk.privacy.aggregate import aggregate_event
@@ -142,19 +142,11 @@ class GaussianDevice:
 
 
 @dataclass(frozen=True, slots=True)
-class GaussianServer:
+class GaussianServer(LayoutServer):
     """The server half (see the module docstring). Its state is the model's layout (the
     parameter shapes), fixed by :meth:`init`."""
 
     params: GaussianRound
-
-    def init(self, params: Sequence[np.ndarray]) -> Layout:
-        """The layout of the model ``params`` (graph order), which :meth:`decode` fills.
-
-        Raises:
-            ValueError: the model does not have the ``dim`` parameters of the round.
-        """
-        return layout_of(params, self.params.dim)
 
     def decode(self, total: np.ndarray, survivors: int, state: Layout, *,
                coords: np.ndarray | None) -> tuple[list[np.ndarray], Layout]:

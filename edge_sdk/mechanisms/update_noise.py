@@ -46,7 +46,7 @@ import numpy as np
 
 from edge_sdk.engine import Engine
 from edge_sdk.fixedpoint import FixedPoint
-from edge_sdk.mechanisms._layout import Layout, encode_reals, layout_of, shaped
+from edge_sdk.mechanisms._layout import Layout, LayoutServer, encode_reals, shaped
 from edge_sdk.mechanisms.base import Contribution
 from edge_sdk.model import flatten_params
 from edge_sdk.privacy.aggregate import aggregate_event
@@ -253,18 +253,10 @@ class UpdateNoiseDevice:
 
 
 @dataclass(frozen=True, slots=True)
-class UpdateNoiseServer:
+class UpdateNoiseServer(LayoutServer):
     """The server half (see the module docstring). Its state is the model's layout."""
 
     params: UpdateNoiseRound
-
-    def init(self, params: Sequence[np.ndarray]) -> Layout:
-        """The layout of the model ``params`` (graph order), which :meth:`decode` fills.
-
-        Raises:
-            ValueError: the model does not have the ``dim`` parameters of the round.
-        """
-        return layout_of(params, self.params.dim)
 
     def decode(self, total: np.ndarray, survivors: int, state: Layout, *,
                coords: np.ndarray | None) -> tuple[list[np.ndarray], Layout]:
