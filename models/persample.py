@@ -325,6 +325,23 @@ def _send(pending: dict[int, Any], up: dict[int, bool], j: int, d: Any) -> None:
         pending[j] = pending[j] + d if j in pending else d
 
 
+def _route(layer: Any, srcs: Any, c: Any, d: Any, pending: dict[int, Any],
+           up: dict[int, bool]) -> bool:
+    """Carry ``d`` through a parameter-free graph node (Add: to every input; Concat: each
+    input its channel slice); False for any other layer (the caller's backward)."""
+    if isinstance(layer, Add):
+        for j in srcs:
+            _send(pending, up, j, d)
+        return True
+    if isinstance(layer, Concat):
+        start = 0
+        for j, size in zip(srcs, c["sizes"], strict=True):
+            _send(pending, up, j, d[:, start : start + size])
+            start += size
+        return True
+    return False
+
+
 _PARAMS = {Linear: 2, Conv2d: 2, Conv1d: 2, LayerNorm: 2, GroupNorm: 2, Embedding: 1}
 
 
@@ -367,15 +384,7 @@ class PerSampleGrad(nn.Module):
                 continue
             layer, c, d = self.spec.layers[i], cache[i], pending.pop(i)
             srcs = self.spec.node_inputs(i)
-            if isinstance(layer, Add):
-                for j in srcs:
-                    _send(pending, up, j, d)
-                continue
-            if isinstance(layer, Concat):
-                start = 0
-                for j, size in zip(srcs, c["sizes"], strict=True):
-                    _send(pending, up, j, d[:, start : start + size])
-                    start += size
+            if _route(layer, srcs, c, d, pending, up):
                 continue
             if isinstance(layer, Embedding):  # always the first layer: nothing below it
                 onehot_ids = F.one_hot(c["ids"], layer.num_embeddings).to(d.dtype)
@@ -550,15 +559,7 @@ class PerSampleGrad(nn.Module):
                 continue
             layer, c, d = self.spec.layers[i], cache[i], pending.pop(i)
             srcs = self.spec.node_inputs(i)
-            if isinstance(layer, Add):
-                for j in srcs:
-                    _send(pending, up, j, d)
-                continue
-            if isinstance(layer, Concat):
-                start = 0
-                for j, size in zip(srcs, c["sizes"], strict=True):
-                    _send(pending, up, j, d[:, start : start + size])
-                    start += size
+            if _route(layer, srcs, c, d, pending, up):
                 continue
             if isinstance(layer, Embedding):
                 onehot_ids = F.one_hot(c["ids"], layer.num_embeddings).to(d.dtype)
