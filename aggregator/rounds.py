@@ -75,7 +75,7 @@ import math
 import os
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -89,10 +89,12 @@ from aggregator.round_core import (
     check_plannable,
     draw_cohort,
     draw_plan,
+    eligible_devices,
     finish,
     round_secrets,
     server_half,
     short_of_survivors,
+    too_few_eligible,
 )
 from aggregator.secagg_server import CLOSE, RECV, SecAggServer, ServerStage
 from edge_sdk import wire
@@ -317,6 +319,8 @@ class _Round:
     outbox: list[Publish]
     next_resend: float = math.inf
     resends: int = 0
+    # each member's remaining epsilon as stated in the check-in it was selected on
+    remaining: dict[str, float] = field(default_factory=dict)
 
 
 def _tree_leaves(tree: Any) -> list[np.ndarray]:
@@ -422,6 +426,10 @@ class RoundMachine:
         self._last_round = 0
         self._available: dict[str, CheckIn] = {}
         self._startable_since: float | None = None
+        # device -> its remaining epsilon when it declined a round for budget
+        # (round_core.eligible_devices); not in the snapshot: after a restart such a device is
+        # selected once more and declines again
+        self._short: dict[str, float] = {}
         self._round: _Round | None = None
         self._history: list[RoundOutcome] = []
         self._model_round = 0
@@ -450,6 +458,19 @@ class RoundMachine:
     def stage(self) -> str:
         """``"idle"`` or the current round's ``ServerStage`` value."""
         return "idle" if self._round is None else self._round.stage.value
+
+    @property
+    def eligible(self) -> tuple[str, ...]:
+        """The devices checked in on the current model that a round may select now
+        (``round_core.eligible_devices``: budget left, and more than when they last declined for
+        budget)."""
+        return tuple(self._eligible())
+
+    @property
+    def out_of_budget(self) -> str | None:
+        """Why no round can start from the check-ins held (``round_core.too_few_eligible``),
+        or None. With every device checked in, the fleet's rounds are over."""
+        return too_few_eligible(len(self._eligible()), policy=self.policy)
 
     @property
     def current_plan(self) -> RoundPlan | None:
@@ -643,6 +664,8 @@ class RoundMachine:
             if device in r.declined:
                 raise ReplayedMessage(f"decline from {device!r} already recorded")
             r.declined.add(device)
+            if msg.reason == "budget" and device in r.remaining:
+                self._short[device] = r.remaining[device]
             self._events.append(Declined(device=device, round_id=r.plan.round_id,
                                          reason=msg.reason))
             logger.info("%s declined round %d: %s", device, r.plan.round_id, msg.reason,
@@ -780,8 +803,8 @@ class RoundMachine:
     # ------------------------------------------------------------------ starting
 
     def _eligible(self) -> list[str]:
-        return sorted(d for d, c in self._available.items()
-                      if c.model_version == self._version and c.remaining_epsilon > 0)
+        return eligible_devices({d: c.remaining_epsilon for d, c in self._available.items()
+                         if c.model_version == self._version}, short=self._short)
 
     def _maybe_start(self, now: float) -> list[Publish]:
         pol = self.policy
@@ -790,8 +813,8 @@ class RoundMachine:
         if pol.max_rounds is not None and self._last_round >= pol.max_rounds:
             return []
         eligible = self._eligible()
-        full, least = pol.cohort_size, pol.min_cohort or pol.cohort_size
-        if len(eligible) < least:
+        full = pol.cohort_size
+        if too_few_eligible(len(eligible), policy=pol):
             self._startable_since = None
             return []
         if self._startable_since is None:
@@ -818,7 +841,9 @@ class RoundMachine:
         self._round = _Round(plan=plan, server=server, stage=server.stage,
                              deadline=now + pol.stage_timeout, expected=set(cohort),
                              declined=set(), log=[], outbox=outbox,
-                             next_resend=now + self._resend_every())
+                             next_resend=now + self._resend_every(),
+                             remaining={dev: self._available[dev].remaining_epsilon
+                                        for dev in cohort})
         self._last_round = round_id
         for dev in cohort:  # they check in again when the round is over
             self._available.pop(dev, None)

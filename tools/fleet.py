@@ -500,6 +500,11 @@ class Fleet:
             if self.observe():
                 return ""
             if len(broker.sent) == before:
+                # every message delivered, every device idle and checked in: if too few can
+                # pay for a round, the fleet's rounds are over (round_core.too_few_eligible)
+                why = self.machine.out_of_budget if self.machine.stage == "idle" else None
+                if why:
+                    return f"ended after {len(self.outcomes)} rounds: {why}"
                 # nothing happens: let time pass to the next deadline
                 quiet += 1
                 if quiet > 8:
