@@ -467,6 +467,11 @@ class RoundMachine:
         return tuple(self._eligible())
 
     @property
+    def checkins(self) -> dict[str, CheckIn]:
+        """The check-ins held (device -> its latest, not yet used by a round)."""
+        return dict(self._available)
+
+    @property
     def out_of_budget(self) -> str | None:
         """Why no round can start from the check-ins held (``round_core.too_few_eligible``),
         or None. With every device checked in, the fleet's rounds are over."""

@@ -121,8 +121,9 @@ def test_fast_simulator_and_mqtt_fleet_give_the_same_model(
     _same_ledgers(fast, ledgers)
 
 
+@pytest.mark.parametrize("transport", ["inproc", pytest.param("mqtt", marks=pytest.mark.broker)])
 def test_a_budget_that_runs_out_ends_both_paths_at_the_same_round(
-        tmp_path: Path, digits: Any, engine: Any) -> None:
+        transport: str, tmp_path: Path, digits: Any, engine: Any) -> None:
     """Device budgets of epsilon 5 pay for about two rounds each: the devices that cannot
     pay decline once (``"budget"``) and are not selected again (``round_core.
     eligible_devices``), rounds run while a cohort can pay, and both paths end at the same
@@ -131,7 +132,7 @@ def test_a_budget_that_runs_out_ends_both_paths_at_the_same_round(
     checked in again) while the fast path reselected them and failed every later round."""
     cfg = _config("gaussian", budget_epsilon=5.0, rounds=10)
     fast = simulate(cfg)
-    fleet = Fleet(replace(cfg, secagg=True, transport="inproc"), tmp_path, data=digits,
+    fleet = Fleet(replace(cfg, secagg=True, transport=transport), tmp_path, data=digits,
                   engine=engine)
     try:
         slow = fleet.run()
