@@ -427,8 +427,7 @@ class RoundMachine:
         self._available: dict[str, CheckIn] = {}
         self._startable_since: float | None = None
         # device -> its remaining epsilon when it declined a round for budget
-        # (round_core.eligible_devices); not in the snapshot: after a restart such a device is
-        # selected once more and declines again
+        # (round_core.eligible_devices)
         self._short: dict[str, float] = {}
         self._round: _Round | None = None
         self._history: list[RoundOutcome] = []
@@ -898,6 +897,7 @@ class RoundMachine:
                 for o in self._history
             ],
             "quarantine": sorted([d, u] for d, u in self._quarantine.items()),
+            "short": sorted([d, v] for d, v in self._short.items()),
             "round": None if r is None else {
                 "plan": wire.encode(r.plan),
                 "stage": r.stage.value,
@@ -906,6 +906,7 @@ class RoundMachine:
                 "declined": sorted(r.declined),
                 "log": [[op, data] for op, data in r.log],
                 "outbox": [[p.topic, p.payload, p.retain] for p in r.outbox],
+                "remaining": sorted([d, v] for d, v in r.remaining.items()),
             },
         }
         return msgpack.packb(state, use_bin_type=True)
@@ -987,6 +988,9 @@ class RoundMachine:
         # absent from snapshots taken before quarantines existed
         m._quarantine = {d: u for d, u in s.get("quarantine", [])}
         m._dropped = dict.fromkeys(m._quarantine, 0)
+        # absent from snapshots taken before budget declines were remembered: such a
+        # device is selected once more and declines again
+        m._short = {d: float(v) for d, v in s.get("short", [])}
         m._model_round = s["model_round"]
         m._model_msg = m._sign_model(m._model_round)
         rs = s["round"]
@@ -1003,6 +1007,7 @@ class RoundMachine:
             m._round = _Round(
                 plan=plan, server=server, stage=server.stage, deadline=rs["deadline"],
                 expected=set(rs["expected"]), declined=set(rs["declined"]), log=log,
-                outbox=[Publish(t, bytes(p), bool(k)) for t, p, k in rs["outbox"]])
+                outbox=[Publish(t, bytes(p), bool(k)) for t, p, k in rs["outbox"]],
+                remaining={d: float(v) for d, v in rs.get("remaining", [])})
         m._restored = True
         return m
