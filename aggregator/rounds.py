@@ -2,9 +2,11 @@
 
 One :class:`RoundMachine` runs a fleet's rounds (DESIGN, "One round, as data flows")::
 
-    IDLE            collect check-ins; once enough eligible devices are in, select a cohort
-                    uniformly (rng seeded by (policy.seed, round id)) and send the plan
-                    (``aggregator.round_core``: draw_cohort, draw_plan)
+    IDLE            collect check-ins; once enough eligible devices are in (budget left,
+                    and not out of it by a budget decline: ``round_core.eligible_devices``;
+                    fewer than min_cohort: no round, ``out_of_budget`` says why), select a
+                    cohort uniformly (rng seeded by (policy.seed, round id)) and send the
+                    plan (``aggregator.round_core``: draw_cohort, draw_plan)
     COLLECT_KEYS    AdvertiseKeys          -> close_advertise()    -> NeighbourKeys
     COLLECT_SHARES  ShareKeys              -> close_share_keys()   -> ForwardedShares
     COLLECT_MASKED  MaskedPart s           -> close_masked_input() -> UnmaskRequest

@@ -3,10 +3,12 @@
 :func:`simulate` is a driver loop over the code the fleet runs (plan15 §3.3), with
 :class:`aggregator.plain_sum.PlainSum` in place of SecAgg+'s messages and keys. Each round:
 
-* the cohort and the plan come from ``aggregator.round_core`` (``draw_cohort`` over the
-  devices with budget left, ``draw_plan`` from the fleet's seeded round source,
-  :func:`round_draws`), under the policy ``tools.simconfig.round_policy`` maps the config
-  onto, exactly as the fleet's ``RoundMachine`` draws them;
+* the cohort and the plan come from ``aggregator.round_core`` (``draw_cohort`` over
+  ``eligible_devices``: budget left, and not reselected after a budget decline until the
+  budget grows; ``draw_plan`` from the fleet's seeded round source, :func:`round_draws`),
+  under the policy ``tools.simconfig.round_policy`` maps the config onto, exactly as the
+  fleet's ``RoundMachine`` draws them; when fewer than min_cohort devices can pay
+  (``round_core.too_few_eligible``) the run ends there with the fleet's note;
 * the dropouts of ``tools.dropouts.DropoutSchedule`` (same seed, same victims and stages
   as the fleet's): a device vanishing at ``keys`` never sees the plan; every other cohort
   member runs ``edge_sdk.round.open_round`` on its own in-memory ledger
