@@ -142,9 +142,11 @@ def test_a_budget_that_runs_out_ends_both_paths_at_the_same_round(
         fleet.close()
 
     def rows(s: dict[str, Any]) -> list[tuple[Any, ...]]:
-        return [(r["round"], r["completed"], r["survivors"], r["dropped"]) for r in s["rounds"]]
+        return [(r["round"], r["completed"], r["detail"], r["survivors"], r["dropped"])
+                for r in s["rounds"]]
 
     assert rows(fast) == rows(slow)
+    assert any(r["detail"].startswith(f"round {r['round']} failed: ") for r in fast["rounds"])
     assert fast["note"] == slow["note"]
     assert fast["note"].startswith(f"ended after {len(fast['rounds'])} rounds: ")
     assert "fewer than the min cohort 6; no round can start" in fast["note"]

@@ -335,7 +335,10 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
                                      else "deadline")
                   for stage, got, asked in agg.answered]
         short = next((i for i, why in enumerate(shorts) if why), None)
-        failed = shorts[short] if short is not None else agg.failed
+        # the round machine's detail: its own rule's words, or secure aggregation's
+        # RoundFailed (``round <id> failed: <why>``)
+        failed = (shorts[short] if short is not None else None if agg.failed is None
+                  else f"round {rnd} failed: {agg.failed}")
         # the stages the round opened: a victim of a later one never got to vanish
         opened = (short + 1 if short is not None else len(STAGES)
                   if failed is None or agg.survivors else len(agg.answered))
