@@ -4,6 +4,7 @@ The round machine (``aggregator.rounds.RoundMachine``, over SecAgg+ messages) an
 simulator (over ``aggregator.plain_sum.PlainSum``) run a round with the same three steps
 (plan15 §3.3)::
 
+    check-ins -> eligible_devices(remaining, short)                       who may be drawn
     eligible -> draw_cohort(eligible, policy, round_id)                 who
              -> draw_plan(policy, round_id, model_version, cohort, dim,  what they are told
                           random_bytes)
@@ -25,7 +26,7 @@ reads its device half (``edge_sdk.round.mechanism_round``), decodes the sum.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ __all__ = [
     "check_plannable",
     "draw_cohort",
     "draw_plan",
+    "eligible_devices",
     "finish",
     "mechanism_params",
     "mechanisms",
@@ -53,6 +55,7 @@ __all__ = [
     "select_cohort",
     "server_half",
     "short_of_survivors",
+    "too_few_eligible",
 ]
 
 
@@ -448,6 +451,35 @@ def check_plannable(policy: RoundPolicy, *, dim: int) -> None:
 
 
 # ---------------------------------------------------------------------------- the round
+
+
+def eligible_devices(remaining: Mapping[str, float], *,
+                     short: Mapping[str, float] | None = None) -> list[str]:
+    """The devices a round may select (sorted), from each one's ``remaining`` epsilon (its
+    ledger's figure, as its check-in states it; math.inf: no limit).
+
+    A device is eligible while its remaining epsilon is above zero and, if it declined a
+    round for budget, above ``short[device]``, the remaining epsilon it had when it was
+    selected for that round: a ledger only grows, so until its budget is raised the device
+    cannot pay for a round of this policy's cost (a cost the aggregator cannot compute: it
+    depends on the device's data and its whole history of events) and would decline again,
+    while the members who can pay would train, reserve and spend for a round too short of
+    answers to complete. The round machine and the fast simulator both keep ``short``
+    (set on a ``"budget"`` decline) and select from this list."""
+    short = short or {}
+    return sorted(n for n, r in remaining.items()
+                  if r > 0 and (n not in short or r > short[n]))
+
+
+def too_few_eligible(count: int, *, policy: RoundPolicy) -> str | None:
+    """Why no round can start with ``count`` eligible devices (:func:`eligible_devices`), or None:
+    fewer than the policy's min_cohort (default cohort_size). When every device has checked
+    in, the fleet's rounds are over (the fleet ends with this note)."""
+    least = policy.min_cohort or policy.cohort_size
+    if count < least:
+        return (f"devices with budget for a round: {count}, fewer than the min cohort "
+                f"{least}; no round can start")
+    return None
 
 
 def draw_cohort(eligible: Sequence[str], *, policy: RoundPolicy,

@@ -2,9 +2,11 @@
 
 One :class:`RoundMachine` runs a fleet's rounds (DESIGN, "One round, as data flows")::
 
-    IDLE            collect check-ins; once enough eligible devices are in, select a cohort
-                    uniformly (rng seeded by (policy.seed, round id)) and send the plan
-                    (``aggregator.round_core``: draw_cohort, draw_plan)
+    IDLE            collect check-ins; once enough eligible devices are in (budget left,
+                    and not out of it by a budget decline: ``round_core.eligible_devices``;
+                    fewer than min_cohort: no round, ``out_of_budget`` says why), select a
+                    cohort uniformly (rng seeded by (policy.seed, round id)) and send the
+                    plan (``aggregator.round_core``: draw_cohort, draw_plan)
     COLLECT_KEYS    AdvertiseKeys          -> close_advertise()    -> NeighbourKeys
     COLLECT_SHARES  ShareKeys              -> close_share_keys()   -> ForwardedShares
     COLLECT_MASKED  MaskedPart s           -> close_masked_input() -> UnmaskRequest
@@ -75,7 +77,7 @@ import math
 import os
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -89,10 +91,12 @@ from aggregator.round_core import (
     check_plannable,
     draw_cohort,
     draw_plan,
+    eligible_devices,
     finish,
     round_secrets,
     server_half,
     short_of_survivors,
+    too_few_eligible,
 )
 from aggregator.secagg_server import CLOSE, RECV, SecAggServer, ServerStage
 from edge_sdk import wire
@@ -317,6 +321,8 @@ class _Round:
     outbox: list[Publish]
     next_resend: float = math.inf
     resends: int = 0
+    # each member's remaining epsilon as stated in the check-in it was selected on
+    remaining: dict[str, float] = field(default_factory=dict)
 
 
 def _tree_leaves(tree: Any) -> list[np.ndarray]:
@@ -422,6 +428,9 @@ class RoundMachine:
         self._last_round = 0
         self._available: dict[str, CheckIn] = {}
         self._startable_since: float | None = None
+        # device -> its remaining epsilon when it declined a round for budget
+        # (round_core.eligible_devices)
+        self._short: dict[str, float] = {}
         self._round: _Round | None = None
         self._history: list[RoundOutcome] = []
         self._model_round = 0
@@ -450,6 +459,24 @@ class RoundMachine:
     def stage(self) -> str:
         """``"idle"`` or the current round's ``ServerStage`` value."""
         return "idle" if self._round is None else self._round.stage.value
+
+    @property
+    def eligible(self) -> tuple[str, ...]:
+        """The devices checked in on the current model that a round may select now
+        (``round_core.eligible_devices``: budget left, and more than when they last declined for
+        budget)."""
+        return tuple(self._eligible())
+
+    @property
+    def checkins(self) -> dict[str, CheckIn]:
+        """The check-ins held (device -> its latest, not yet used by a round)."""
+        return dict(self._available)
+
+    @property
+    def out_of_budget(self) -> str | None:
+        """Why no round can start from the check-ins held (``round_core.too_few_eligible``),
+        or None. With every device checked in, the fleet's rounds are over."""
+        return too_few_eligible(len(self._eligible()), policy=self.policy)
 
     @property
     def current_plan(self) -> RoundPlan | None:
@@ -643,6 +670,8 @@ class RoundMachine:
             if device in r.declined:
                 raise ReplayedMessage(f"decline from {device!r} already recorded")
             r.declined.add(device)
+            if msg.reason == "budget" and device in r.remaining:
+                self._short[device] = r.remaining[device]
             self._events.append(Declined(device=device, round_id=r.plan.round_id,
                                          reason=msg.reason))
             logger.info("%s declined round %d: %s", device, r.plan.round_id, msg.reason,
@@ -780,8 +809,8 @@ class RoundMachine:
     # ------------------------------------------------------------------ starting
 
     def _eligible(self) -> list[str]:
-        return sorted(d for d, c in self._available.items()
-                      if c.model_version == self._version and c.remaining_epsilon > 0)
+        return eligible_devices({d: c.remaining_epsilon for d, c in self._available.items()
+                         if c.model_version == self._version}, short=self._short)
 
     def _maybe_start(self, now: float) -> list[Publish]:
         pol = self.policy
@@ -790,8 +819,8 @@ class RoundMachine:
         if pol.max_rounds is not None and self._last_round >= pol.max_rounds:
             return []
         eligible = self._eligible()
-        full, least = pol.cohort_size, pol.min_cohort or pol.cohort_size
-        if len(eligible) < least:
+        full = pol.cohort_size
+        if too_few_eligible(len(eligible), policy=pol):
             self._startable_since = None
             return []
         if self._startable_since is None:
@@ -818,7 +847,9 @@ class RoundMachine:
         self._round = _Round(plan=plan, server=server, stage=server.stage,
                              deadline=now + pol.stage_timeout, expected=set(cohort),
                              declined=set(), log=[], outbox=outbox,
-                             next_resend=now + self._resend_every())
+                             next_resend=now + self._resend_every(),
+                             remaining={dev: self._available[dev].remaining_epsilon
+                                        for dev in cohort})
         self._last_round = round_id
         for dev in cohort:  # they check in again when the round is over
             self._available.pop(dev, None)
@@ -868,6 +899,7 @@ class RoundMachine:
                 for o in self._history
             ],
             "quarantine": sorted([d, u] for d, u in self._quarantine.items()),
+            "short": sorted([d, v] for d, v in self._short.items()),
             "round": None if r is None else {
                 "plan": wire.encode(r.plan),
                 "stage": r.stage.value,
@@ -876,6 +908,7 @@ class RoundMachine:
                 "declined": sorted(r.declined),
                 "log": [[op, data] for op, data in r.log],
                 "outbox": [[p.topic, p.payload, p.retain] for p in r.outbox],
+                "remaining": sorted([d, v] for d, v in r.remaining.items()),
             },
         }
         return msgpack.packb(state, use_bin_type=True)
@@ -957,6 +990,9 @@ class RoundMachine:
         # absent from snapshots taken before quarantines existed
         m._quarantine = {d: u for d, u in s.get("quarantine", [])}
         m._dropped = dict.fromkeys(m._quarantine, 0)
+        # absent from snapshots taken before budget declines were remembered: such a
+        # device is selected once more and declines again
+        m._short = {d: float(v) for d, v in s.get("short", [])}
         m._model_round = s["model_round"]
         m._model_msg = m._sign_model(m._model_round)
         rs = s["round"]
@@ -973,6 +1009,7 @@ class RoundMachine:
             m._round = _Round(
                 plan=plan, server=server, stage=server.stage, deadline=rs["deadline"],
                 expected=set(rs["expected"]), declined=set(rs["declined"]), log=log,
-                outbox=[Publish(t, bytes(p), bool(k)) for t, p, k in rs["outbox"]])
+                outbox=[Publish(t, bytes(p), bool(k)) for t, p, k in rs["outbox"]],
+                remaining={d: float(v) for d, v in rs.get("remaining", [])})
         m._restored = True
         return m

@@ -461,7 +461,10 @@ class DeviceSession:
                          model_version=self._version, data=self._data, engine=self._engine,
                          dim=d, round_rng=self._round_rng, max_colluders=self._max_colluders)
         if isinstance(got, NotOpened):
-            return self._decline(plan, got.reason, got.detail)
+            # the round is over for this device: it checks in again at once, as after any
+            # round (with no round open; a failed round sends decliners nothing, and a
+            # device that repeats no check-ins would be lost to the aggregator)
+            return [*self._decline(plan, got.reason, got.detail), self._checkin(now)]
         residues, config, ledger_plan = got.contribution.values, got.config, got.ledger_plan
         reservation = got.reservation
         client = SecAggClient(identity=self._idn, registry=self._reg, config=config,

@@ -119,3 +119,47 @@ def test_fast_simulator_and_mqtt_fleet_give_the_same_model(
     _same_rounds(fast, fleet)
     assert fast["model_sha256"] == fleet["model_sha256"]
     _same_ledgers(fast, ledgers)
+
+
+@pytest.mark.parametrize("transport", ["inproc", pytest.param("mqtt", marks=pytest.mark.broker)])
+def test_a_budget_that_runs_out_ends_both_paths_at_the_same_round(
+        transport: str, tmp_path: Path, digits: Any, engine: Any) -> None:
+    """Device budgets of epsilon 5 pay for about two rounds each: the devices that cannot
+    pay decline once (``"budget"``) and are not selected again (``round_core.
+    eligible_devices``), rounds run while a cohort can pay, and both paths end at the same
+    round with the round core's note (``round_core.too_few_eligible``), the same model and
+    the same ledgers. Before, the fleet stalled after a failed round (its decliners never
+    checked in again) while the fast path reselected them and failed every later round."""
+    cfg = _config("gaussian", budget_epsilon=5.0, rounds=10)
+    fast = simulate(cfg)
+    fleet = Fleet(replace(cfg, secagg=True, transport=transport), tmp_path, data=digits,
+                  engine=engine)
+    try:
+        slow = fleet.run()
+        ledgers = {n: (s.local_epsilon, s.aggregate_epsilon)
+                   for n, s in ((n, fleet.ledgers[n].spent()) for n in fleet.names)}
+    finally:
+        fleet.close()
+
+    def rows(s: dict[str, Any]) -> list[tuple[Any, ...]]:
+        return [(r["round"], r["completed"], r["detail"], r["survivors"], r["dropped"])
+                for r in s["rounds"]]
+
+    assert rows(fast) == rows(slow)
+    assert any(r["detail"].startswith(f"round {r['round']} failed: ") for r in fast["rounds"])
+    assert fast["note"] == slow["note"]
+    assert fast["note"].startswith(f"ended after {len(fast['rounds'])} rounds: ")
+    assert "fewer than the min cohort 6; no round can start" in fast["note"]
+    assert len(fast["rounds"]) < cfg.rounds  # the budget bit
+    # devices declined for budget and some of those rounds still completed
+    declined = [r for r in fast["rounds"] if r["declined"]]
+    assert declined and any(r["completed"] for r in declined)
+    # a device that declined for budget is never selected again
+    seen: set[str] = set()
+    for r in fast["rounds"]:
+        assert not seen & set(r["declined"])
+        seen |= set(r["declined"])
+    assert fast["rounds_completed"] >= 3
+    assert fast["model_sha256"] == slow["model_sha256"]
+    _same_ledgers(fast, ledgers)
+    assert all(e <= 5.0 for e, _ in ledgers.values())

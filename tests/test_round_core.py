@@ -26,12 +26,14 @@ from aggregator.round_core import (
     check_plannable,
     draw_cohort,
     draw_plan,
+    eligible_devices,
     finish,
     mechanism_params,
     mechanisms,
     round_secrets,
     select_cohort,
     server_half,
+    too_few_eligible,
 )
 from aggregator.rounds import RoundMachine, SnapshotError
 from aggregator.rounds import RoundPolicy as ReExported
@@ -205,6 +207,25 @@ def test_plain_sum_and_finish_give_the_round_machines_model(tmp_path, digits, en
         assert a.dtype == b.dtype and np.array_equal(a, b)  # bit for bit
     assert any(not np.array_equal(a, b) for a, b in zip(params, fleet.initial, strict=True))
     fleet.close()
+
+
+def test_eligible_devices_have_budget_left_and_more_than_at_a_budget_decline() -> None:
+    remaining = {"b": 0.5, "a": math.inf, "c": 0.0, "d": 2.0, "e": 1.0}
+    assert eligible_devices(remaining) == ["a", "b", "d", "e"]  # sorted, none spent out
+    # "b" and "d" declined for budget with 0.5 and 1.5 left: "b" still has 0.5 (out),
+    # "d"'s budget was raised since (in)
+    assert eligible_devices(remaining, short={"b": 0.5, "d": 1.5}) == ["a", "d", "e"]
+    assert eligible_devices({}) == []
+
+
+def test_too_few_eligible_is_below_the_min_cohort() -> None:
+    pol = RoundPolicy(fleet="f", cohort_size=10, min_cohort=8, min_survivors=6)
+    assert too_few_eligible(8, policy=pol) is None
+    assert too_few_eligible(7, policy=pol) == ("devices with budget for a round: 7, fewer "
+                                               "than the min cohort 8; no round can start")
+    full = RoundPolicy(fleet="f", cohort_size=6)  # min_cohort: the cohort size
+    assert too_few_eligible(6, policy=full) is None
+    assert too_few_eligible(5, policy=full) is not None
 
 
 def test_policy_snapshot_from_before_the_mechanism_field_restores(tmp_path, digits,

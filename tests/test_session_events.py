@@ -65,10 +65,18 @@ def _fresh(fleet: Fleet, name: str = ME) -> DeviceSession:
 
 
 def _decline_of(out: list[wire.Publish]) -> wire.Decline:
-    assert [p.topic.rsplit("/", 1)[1] for p in out] == ["decline"]
+    # the decline, then a check-in: the round is over for the device
+    assert [p.topic.rsplit("/", 1)[1] for p in out] == ["decline", "checkin"]
     msg = wire.decode(out[0].payload, wire.UP_KINDS)
     assert isinstance(msg, wire.Decline)
     return msg
+
+
+def _declined(s: DeviceSession) -> list[Any]:
+    """The session's events after a decline, less the check-in that follows it."""
+    ev = s.take_events()
+    assert [type(e) for e in ev] == [Declined, CheckedIn]
+    return ev[:1]
 
 
 @pytest.fixture
@@ -182,7 +190,7 @@ def test_each_decline_is_one_event_with_the_published_reason(fleet, reason: str)
     out = s.on_message(PLAN_TOPIC, wire.encode(plan), 0.0)
     msg = _decline_of(out)
     assert msg.reason == reason
-    assert s.take_events() == [Declined(round_id=1, reason=reason, detail=msg.detail)]
+    assert _declined(s) == [Declined(round_id=1, reason=reason, detail=msg.detail)]
     assert s.round_id is None
     reserved = [r for r in fleet.ledgers[ME].reservations() if r.plan.round_id == f"{FLEET}/1"]
     # only a decline after training (diverged) or a round taken before is in the ledger
@@ -198,7 +206,7 @@ def test_a_mechanism_the_device_lacks_is_declined_before_anything(fleet, monkeyp
     s = _fresh(fleet)
     msg = _decline_of(s.on_message(PLAN_TOPIC, wire.encode(_plan(fleet)), 0.0))
     assert msg.reason == "mechanism" and "'gaussian'" in msg.detail
-    assert s.take_events() == [Declined(round_id=1, reason="mechanism", detail=msg.detail)]
+    assert _declined(s) == [Declined(round_id=1, reason="mechanism", detail=msg.detail)]
     assert s.round_id is None and fleet.ledgers[ME].reservations() == ()
 
 
@@ -208,7 +216,7 @@ def test_budget_decline(tmp_path, digits, engine) -> None:
         s = _fresh(fleet)
         msg = _decline_of(s.on_message(PLAN_TOPIC, wire.encode(_plan(fleet)), 0.0))
         assert msg.reason == "budget" and "epsilon would reach" in msg.detail
-        assert s.take_events() == [Declined(round_id=1, reason="budget", detail=msg.detail)]
+        assert _declined(s) == [Declined(round_id=1, reason="budget", detail=msg.detail)]
         assert not fleet.ledgers[ME].reservations()
     finally:
         fleet.close()
@@ -448,7 +456,8 @@ def test_device_adapter_reports_from_session_events(tmp_path, digits, engine) ->
         out = agents[me].on_message(wire.device_down_topic(FLEET, me, "plan"),
                                     wire.encode(plan), fleet.now)
         sent = msgpack.unpackb(out[0].payload)
-        assert reports[me][-1] == {"event": "declined", "round": 9, "reason": sent["reason"]}
+        assert reports[me][-2] == {"event": "declined", "round": 9, "reason": sent["reason"]}
+        assert reports[me][-1]["event"] == "checkin"  # the round is over for it
         assert sent["reason"] == "stale_model"
     finally:
         fleet.close()

@@ -298,7 +298,7 @@ def test_device_restart_mid_round_neither_double_spends_nor_uploads_twice(
     out = new.on_message(wire.device_down_topic(FLEET, name, "plan"), plan_payload[0],
                          fleet.now)
     kinds = [p.topic.rsplit("/", 1)[1] for p in out]
-    assert kinds == ["decline"]
+    assert kinds == ["decline", "checkin"]  # idle again: it checks in at once
     assert msgpack.unpackb(out[0].payload)["reason"] == "already_committed"
     fleet.settle(until=lambda: len(fleet.machine.history) >= 1 and fleet.machine.stage == "idle")
     o = fleet.machine.history[0]
@@ -320,6 +320,16 @@ def test_budget_exhausted_devices_decline(tmp_path, digits, engine) -> None:
     assert len(declines) == 10 and {d["reason"] for d in declines} == {"budget"}
     assert all(not led.reservations() for led in fleet.ledgers.values())
     assert fleet.machine.history[0].completed is False  # failed cleanly, nothing revealed
+    # each decliner checked in again at once, and is not selected again (its remaining
+    # epsilon is what it was when it declined); a restored machine remembers it
+    assert sorted(fleet.machine.checkins) == [i.device for i in fleet.ids]
+    decliners = {s for s, t, _ in fleet.broker.sent if t.endswith("/up/decline")}
+    assert len(decliners) == 10
+    others = tuple(sorted({i.device for i in fleet.ids} - decliners))
+    assert fleet.machine.eligible == others and len(others) == len(fleet.ids) - 10
+    m = RoundMachine.restore(fleet.machine.snapshot(), policy=fleet.policy,
+                             identity=fleet.agg_id, registry=fleet.registry)
+    assert m.eligible == others
     fleet.close()
 
 

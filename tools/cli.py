@@ -155,8 +155,11 @@ def _simulate(args: argparse.Namespace) -> int:
               f"failed; aggregate epsilon (secure sum only) "
               f"{'inf' if agg is None else f'{agg:.4f}'}; model sha256 "
               f"{summary['model_sha256'][:16]}")
-        if summary["note"]:
-            print(f"fedge simulate: {summary['note']}", file=sys.stderr)
+    if summary["note"]:
+        print(f"fedge simulate: {summary['note']}", file=sys.stderr)
+        # budgets that ran out end a run cleanly (round_core.too_few_eligible), on either
+        # path; any other note is a fleet that stalled or could not run
+        if not summary["note"].startswith("ended after "):
             return 1
     return 0
 

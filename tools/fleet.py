@@ -407,6 +407,15 @@ class Fleet:
         v = self.machine.model_version
         return all(c.model_version == v for c in checkins.values())
 
+    def _out_of_budget(self) -> str | None:
+        """The note that ends the fleet when, idle with every device checked in on the
+        current model, too few can pay for a round (``round_core.too_few_eligible``)."""
+        m = self.machine
+        if m.stage != "idle" or not self._all_checked_in(m.checkins):
+            return None
+        why = m.out_of_budget
+        return None if why is None else f"ended after {len(self.outcomes)} rounds: {why}"
+
     # -- observing ---------------------------------------------------------------------
 
     def _note(self, ev: Event) -> None:
@@ -500,6 +509,10 @@ class Fleet:
             if self.observe():
                 return ""
             if len(broker.sent) == before:
+                # every message delivered: if too few can pay for a round, it is over
+                why = self._out_of_budget()
+                if why:
+                    return why
                 # nothing happens: let time pass to the next deadline
                 quiet += 1
                 if quiet > 8:
@@ -536,10 +549,13 @@ class Fleet:
                 patience = 5 * cfg.stage_timeout + 60.0
                 while True:
                     seen = len(self.outcomes)
-                    done = loop.run(until=lambda s=seen: self.observe() or len(self.outcomes) > s,
-                                    timeout=patience)
+                    done = loop.run(until=lambda s=seen: self.observe() or len(self.outcomes) > s
+                                    or self._out_of_budget() is not None, timeout=patience)
                     if self.observe():
                         return ""
+                    why = self._out_of_budget()
+                    if why:
+                        return why
                     if not done:
                         return (f"stalled after {len(self.outcomes)} rounds: nothing ended "
                                 f"for {patience:.0f} s")

@@ -3,10 +3,12 @@
 :func:`simulate` is a driver loop over the code the fleet runs (plan15 §3.3), with
 :class:`aggregator.plain_sum.PlainSum` in place of SecAgg+'s messages and keys. Each round:
 
-* the cohort and the plan come from ``aggregator.round_core`` (``draw_cohort`` over the
-  devices with budget left, ``draw_plan`` from the fleet's seeded round source,
-  :func:`round_draws`), under the policy ``tools.simconfig.round_policy`` maps the config
-  onto, exactly as the fleet's ``RoundMachine`` draws them;
+* the cohort and the plan come from ``aggregator.round_core`` (``draw_cohort`` over
+  ``eligible_devices``: budget left, and not reselected after a budget decline until the
+  budget grows; ``draw_plan`` from the fleet's seeded round source, :func:`round_draws`),
+  under the policy ``tools.simconfig.round_policy`` maps the config onto, exactly as the
+  fleet's ``RoundMachine`` draws them; when fewer than min_cohort devices can pay
+  (``round_core.too_few_eligible``) the run ends there with the fleet's note;
 * the dropouts of ``tools.dropouts.DropoutSchedule`` (same seed, same victims and stages
   as the fleet's): a device vanishing at ``keys`` never sees the plan; every other cohort
   member runs ``edge_sdk.round.open_round`` on its own in-memory ledger
@@ -63,11 +65,14 @@ from aggregator.plain_sum import STAGES, PlainSum
 from aggregator.round_core import (
     draw_cohort,
     draw_plan,
+    eligible_devices,
     finish,
+    mechanism_params,
     round_secrets,
     select_cohort,
     server_half,
     short_of_survivors,
+    too_few_eligible,
 )
 from edge_sdk import compress
 from edge_sdk.csprng import seeded_round_rng
@@ -254,14 +259,27 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
     bytes_up_payload = bytes_up_overhead = bytes_down = 0
     progress = _Progress(cfg.rounds, out, cfg.progress)
     plan: RoundPlan | None = None
+    budget_short: dict[str, float] = {}  # the round machine's: a budget decline's remaining epsilon
+    end_note = ""
+    eps = agg_eps = 0.0  # no round, no spend
 
     def finite(v: float) -> float | None:
         return v if math.isfinite(v) else None
 
     for rnd in range(1, cfg.rounds + 1):
         before = (bytes_up_payload, bytes_up_overhead, bytes_down)
-        # the round machine's eligibility: remaining budget (no budget: everyone)
-        eligible = [n for n in names if budget is None or books[n].remaining() > 0]
+        # the round machine's eligibility (round_core.eligible_devices) from the remaining
+        # epsilon each device's check-in would state (no budget: no limit), and its end
+        remaining = {n: math.inf if budget is None else books[n].remaining() for n in names}
+        eligible = eligible_devices(remaining, short=budget_short)
+        why = too_few_eligible(len(eligible), policy=policy)
+        if why:
+            end_note = f"ended after {rnd - 1} rounds: {why}"
+            if acc_hist and acc_hist[-1] is None:  # the last round's model, evaluated
+                acc_hist[-1] = evaluate(engine, params, data.x_test, data.y_test,
+                                        cfg.eval_batch)
+                rounds[-1]["accuracy"] = acc_hist[-1]
+            break
         cohort = draw_cohort(eligible, policy=policy, round_id=rnd)
         plan = draw_plan(policy, round_id=rnd, model_version=version, cohort=cohort, dim=d,
                          random_bytes=random_bytes)
@@ -284,6 +302,8 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
                              max_colluders=cfg.max_colluders)
             if isinstance(got, Declined):
                 declined.append(n)
+                if got.reason == "budget":  # not selected again until its budget grows
+                    budget_short[n] = remaining[n]
                 vanished[n] = "keys"  # a declined device never advertises keys
                 if got.reservation is None:  # declined before training
                     continue
@@ -315,7 +335,10 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
                                      else "deadline")
                   for stage, got, asked in agg.answered]
         short = next((i for i, why in enumerate(shorts) if why), None)
-        failed = shorts[short] if short is not None else agg.failed
+        # the round machine's detail: its own rule's words, or secure aggregation's
+        # RoundFailed (``round <id> failed: <why>``)
+        failed = (shorts[short] if short is not None else None if agg.failed is None
+                  else f"round {rnd} failed: {agg.failed}")
         # the stages the round opened: a victim of a later one never got to vanish
         opened = (short + 1 if short is not None else len(STAGES)
                   if failed is None or agg.survivors else len(agg.answered))
@@ -370,10 +393,11 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
         progress.show(rnd, acc, eps)
 
     uploads = sum(r["survivors"] for r in rounds)
-    assert plan is not None  # rounds >= 1
-    k = plan.length
+    # the plan of a full cohort where no round started
+    k, bits = (plan.length, plan.bits) if plan is not None else mechanism_params(
+        policy, dim=d)[1:]
     ddg_facts = None
-    if cfg.mechanism == "ddg":
+    if cfg.mechanism == "ddg" and plan is not None:
         w = plan.params
         honest = plan.min_survivors - plan.max_colluders
         ddg_facts = {"gamma": w.gamma, "sigma_dev": w.sigma, "honest_shares": honest,
@@ -392,12 +416,14 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
     return {
         "transport": "none",
         "secagg": False,
-        "final_accuracy": acc_hist[-1],
+        "final_accuracy": acc_hist[-1] if acc_hist else evaluate(
+            engine, params, data.x_test, data.y_test, cfg.eval_batch),
         "accuracy_per_round": acc_hist,
         "train_loss_per_round": loss_hist,
         "rounds": rounds,
         "rounds_completed": sum(r["completed"] for r in rounds),
         "rounds_failed": sum(not r["completed"] for r in rounds),
+        "note": end_note,
         "model_version": version,
         "epsilon": finite(eps),
         "epsilon_aggregate": finite(agg_eps),
@@ -429,7 +455,7 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
         "bytes_down_total": bytes_down,
         "bytes_per_round": bytes_hist,
         "kept_coordinates": k,
-        "ring_bits": plan.bits,
+        "ring_bits": bits,
         "ddg": ddg_facts,
         "device_rounds": uploads,
         "max_rounds_per_device": max(participated.values()),
