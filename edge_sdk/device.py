@@ -94,7 +94,12 @@ class DeviceConfig:
             MQTT password (0600).
         identity: the device's key file; registry: the fleet's public registry.
         ledger: the privacy ledger (must exist: see :meth:`Device.provision`).
-        budget_epsilon, budget_delta: the owner's budget, checked against the ledger's.
+        budget_epsilon, budget_delta: the owner's budget, checked against the ledger's:
+            SAMPLE-level local epsilon (nats) at delta.
+        device_budget_epsilon: the owner's DEVICE-level aggregate budget (nats, at
+            ``budget_delta``; TOML ``[budget] device_epsilon``), or None (the default): no
+            device-level limit. When set, the device declines rounds whose mechanism
+            states no device-level event (``Budget.device_epsilon``).
         model: a zoo name (``logreg-64-10``) or manifest: a manifest path; exactly one.
         zoo_dir: the directory of exported models a zoo name is looked up in
             (``<zoo_dir>/<model>.json``); given by whoever builds the config (not a TOML
@@ -119,6 +124,7 @@ class DeviceConfig:
     ledger: Path
     budget_epsilon: float
     budget_delta: float
+    device_budget_epsilon: float | None = None
     broker_host: str = "127.0.0.1"
     ca_file: Path | None = None
     username: str | None = None
@@ -138,7 +144,7 @@ class DeviceConfig:
         try:
             wire.check_name("fleet", self.fleet)
             wire.check_name("device", self.device)
-            Budget(epsilon=self.budget_epsilon, delta=self.budget_delta)
+            self.budget  # noqa: B018 - validates the budget
             BrokerAddress(host=self.broker_host, port=self.broker_port)
         except ValueError as e:
             raise ConfigError(str(e)) from None
@@ -162,6 +168,12 @@ class DeviceConfig:
                               f"masked upload), got {self.max_packet!r}")
 
     @property
+    def budget(self) -> Budget:
+        """The owner's budget on both units (the ledger's, fixed at provisioning)."""
+        return Budget(epsilon=self.budget_epsilon, delta=self.budget_delta,
+                      device_epsilon=self.device_budget_epsilon)
+
+    @property
     def mqtt_username(self) -> str:
         return self.username or self.device
 
@@ -180,8 +192,9 @@ class DeviceConfig:
             registry = "../../registry.json"
             ledger = "ledger.db"
             [budget]
-            epsilon = 8.0
+            epsilon = 8.0                   # sample-level, local
             delta = 1e-5
+            device_epsilon = 4.0            # optional: device-level, aggregate
             [broker]
             host = "127.0.0.1"
             port = 8883
@@ -195,7 +208,8 @@ class DeviceConfig:
                               f"reproducible by whoever knows the file (the enroller, the "
                               f"aggregator's operator). A device's randomness now comes "
                               f"from the OS CSPRNG only; delete the line")
-        budget = take(data.pop("budget", {}), {"epsilon", "delta"}, f"{path} [budget]")
+        budget = take(data.pop("budget", {}), {"epsilon", "delta", "device_epsilon"},
+                      f"{path} [budget]")
         broker = take(data.pop("broker", {}),
                       {"host", "port", "ca_file", "username", "password_file", "keepalive_s",
                        "backoff_initial_s", "backoff_max_s"}, f"{path} [broker]")
@@ -209,6 +223,8 @@ class DeviceConfig:
             values["budget_epsilon"] = budget["epsilon"]
         if "delta" in budget:
             values["budget_delta"] = budget["delta"]
+        if "device_epsilon" in budget:
+            values["device_budget_epsilon"] = budget["device_epsilon"]
         for key in ("host", "port"):
             if key in broker:
                 values[f"broker_{key}"] = broker[key]
@@ -388,9 +404,8 @@ class Device:
         spec = load_manifest(manifest).spec
         engine = load_engine(manifest, backend=config.backend, threads=config.threads)
         feed = _Data(data)
-        ledger = Ledger.open(config.ledger, budget=Budget(epsilon=config.budget_epsilon,
-                                                          delta=config.budget_delta),
-                             device_id=config.device, create=False)
+        ledger = Ledger.open(config.ledger, budget=config.budget, device_id=config.device,
+                             create=False)
         try:
             session = DeviceSession(
                 fleet=config.fleet, identity=identity, registry=registry, ledger=ledger,
@@ -424,9 +439,8 @@ class Device:
             edge_sdk.ledger.LedgerError: a ledger already exists there (opening it checks
                 that it belongs to this device and budget; nothing is reset).
         """
-        Ledger.open(config.ledger, budget=Budget(epsilon=config.budget_epsilon,
-                                                 delta=config.budget_delta),
-                    device_id=config.device, create=True).close()
+        Ledger.open(config.ledger, budget=config.budget, device_id=config.device,
+                    create=True).close()
 
     # ------------------------------------------------------------------ state
 

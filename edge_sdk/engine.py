@@ -7,7 +7,14 @@ names and shapes) beside two ONNX graphs whose inputs are the weights:
 * the inference graph ``(*params, x) -> logits``;
 * the masked gradient graph ``(*params, *masks, x, y, clip) -> (...)``: the same, restricted
   to the coordinates where the 0/1 masks are 1 (norms, clipping and sums over those only),
-  for rand-k sparsified training (Fed-SPA).
+  for rand-k sparsified training (Fed-SPA);
+* optionally the plain gradient graph ``(*params, x, y) -> (losses, *grad_sums)``: the
+  batch's unclipped summed gradient (device-level mode; without it ``grad_sum`` uses the
+  per-sample graph with clip = inf).
+
+A manifest may record each graph's sha256 (``graph_sha256``, written by ``fedge export
+--module``); :func:`load_manifest` then refuses a graph file that does not match, so a
+device never runs a graph other than the one its spec was exported with.
 
 :class:`NumpyEngine` computes the same formulas in numpy from the spec alone. It is the
 torch-free reference and the fallback when onnxruntime is unavailable, and it can also
@@ -17,6 +24,7 @@ return the full [B, d] per-sample gradients. Both engines clip with the factor
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -28,8 +36,10 @@ import numpy as np
 
 from edge_sdk.model import (
     ACTIVATIONS,
+    Add,
     AvgPool1d,
     AvgPool2d,
+    Concat,
     Conv1d,
     Conv2d,
     Embedding,
@@ -57,6 +67,7 @@ __all__ = [
     "Manifest",
     "NumpyEngine",
     "OnnxEngine",
+    "SumResult",
     "load_engine",
     "load_manifest",
 ]
@@ -73,6 +84,7 @@ class Manifest:
     grad_graph: Path
     infer_graph: Path
     masked_grad_graph: Path | None = None
+    plain_grad_graph: Path | None = None
 
 
 def load_manifest(path: str | Path) -> Manifest:
@@ -84,7 +96,9 @@ def load_manifest(path: str | Path) -> Manifest:
         listed = [(p["name"], tuple(p["shape"])) for p in data["params"]]
         grad_graph, infer_graph = data["grad_graph"], data["infer_graph"]
         masked = data.get("masked_grad_graph")
+        plain = data.get("plain_grad_graph")
         declared = data.get("input_dtype", "float32")  # absent in float models' manifests
+        digests = data.get("graph_sha256", {})  # absent in the zoo's manifests
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{path}: not a valid fedge model manifest ({exc})") from exc
     if listed != spec.param_shapes():
@@ -93,12 +107,26 @@ def load_manifest(path: str | Path) -> Manifest:
         # the graphs' x input has the declared dtype; a spec that disagrees cannot feed it
         raise ValueError(f"{path}: input_dtype {declared!r} does not match the spec's "
                          f"{spec.input_dtype!r} (an Embedding first reads int64 ids)")
+    for key, want in dict(digests).items():
+        if key not in data:
+            raise ValueError(f"{path}: graph_sha256 names {key!r}, which the manifest lacks")
+        graph = path.parent / data[key]
+        try:
+            got = hashlib.sha256(graph.read_bytes()).hexdigest()
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot read {graph.name} ({exc})") from exc
+        if got != want:
+            # the graph would compute something other than the spec this manifest declares
+            raise ValueError(f"{path}: {graph.name} has sha256 {got}, but the manifest "
+                             f"records {want} for it: refusing a graph that does not match "
+                             "its manifest (re-export the model)")
     return Manifest(
         name=str(data["name"]),
         spec=spec,
         grad_graph=path.parent / grad_graph,
         infer_graph=path.parent / infer_graph,
         masked_grad_graph=None if masked is None else path.parent / masked,
+        plain_grad_graph=None if plain is None else path.parent / plain,
     )
 
 
@@ -112,8 +140,20 @@ class GradResult:
     clipped_sum: list[np.ndarray]
 
 
+@dataclass(frozen=True, slots=True)
+class SumResult:
+    """One batch without clipping: per-sample losses [B] and the batch's summed gradient
+    (one array per parameter), for the device-level mode (the whole update is clipped)."""
+
+    losses: np.ndarray
+    grad_sum: list[np.ndarray]
+
+
 class Engine(Protocol):
     spec: ModelSpec
+
+    def grad_sum(self, params: Sequence[np.ndarray], x: np.ndarray,
+                 y: np.ndarray) -> SumResult: ...
 
     def clipped_grad_sum(
         self,
@@ -212,6 +252,8 @@ class OnnxEngine:
         self._infer = session(manifest.infer_graph)
         self._masked = (None if manifest.masked_grad_graph is None
                         else session(manifest.masked_grad_graph))
+        self._plain = (None if manifest.plain_grad_graph is None
+                       else session(manifest.plain_grad_graph))
         self._grad()  # fail early on a missing or broken per-sample-gradient graph
         self._names = [n for n, _ in self.spec.param_shapes()]
 
@@ -247,6 +289,23 @@ class OnnxEngine:
             session = self._masked()
         out = session.run(None, feeds)
         return GradResult(out[0], out[1], list(out[2:]))
+
+    def grad_sum(self, params: Sequence[np.ndarray], x: np.ndarray,
+                 y: np.ndarray) -> SumResult:
+        """Per-sample losses and the batch's summed gradient, unclipped (plain SGD, for the
+        device-level mode), from the plain gradient graph: no per-sample norms or
+        gradients. A model exported without one (older manifests) gets the same sum from
+        the per-sample graph with ``clip = inf`` (clip factor 1 for every sample)."""
+        if self._plain is None:
+            res = self.clipped_grad_sum(params, x, y, math.inf)
+            return SumResult(res.losses, res.clipped_sum)
+        x = _inputs(self.spec, x)
+        y = np.ascontiguousarray(y, dtype=np.int64)
+        _check_batch(self.spec, x, y)
+        feeds = dict(zip(self._names, _check_params(self.spec, params), strict=True))
+        feeds.update(x=x, y=y)
+        out = self._plain().run(None, feeds)
+        return SumResult(out[0], list(out[1:]))
 
     def logits(self, params: Sequence[np.ndarray], x: np.ndarray) -> np.ndarray:
         """Logits [B, num_classes] of a batch."""
@@ -477,6 +536,22 @@ def _max_unpool(d: np.ndarray, cache: tuple, layer: MaxPool2d | MaxPool1d) -> np
     return out.reshape(in_shape)
 
 
+def _upstream(spec: ModelSpec) -> dict[int, bool]:
+    """Node -> whether it or a node it depends on has parameters (-1, the input: never): a
+    gradient is only carried back to nodes marked True."""
+    up: dict[int, bool] = {-1: False}
+    for i, layer in enumerate(spec.layers):
+        own = isinstance(layer, Linear | Conv2d | Conv1d | LayerNorm | GroupNorm | Embedding)
+        up[i] = own or any(up[j] for j in spec.node_inputs(i))
+    return up
+
+
+def _send(pending: dict[int, np.ndarray], up: dict[int, bool], j: int, d: np.ndarray) -> None:
+    """Carry the gradient ``d`` back to node ``j`` (added to what other readers sent)."""
+    if up[j]:
+        pending[j] = pending[j] + d if j in pending else d
+
+
 class NumpyEngine:
     """The same per-sample formulas in numpy: torch-free reference and fallback."""
 
@@ -485,9 +560,20 @@ class NumpyEngine:
 
     def _forward(self, params: list[np.ndarray], x: np.ndarray) -> tuple[np.ndarray, list]:
         cache: list = []
-        h, pi = x, 0
-        for layer in self.spec.layers:
-            if isinstance(layer, Embedding):
+        outs: list[np.ndarray] = []
+        pi = 0
+        for i, layer in enumerate(self.spec.layers):
+            srcs = self.spec.node_inputs(i)
+            h = x if srcs[0] < 0 else outs[srcs[0]]
+            if isinstance(layer, Add):
+                cache.append(None)
+                for j in srcs[1:]:
+                    h = h + (x if j < 0 else outs[j])
+            elif isinstance(layer, Concat):
+                parts = [x if j < 0 else outs[j] for j in srcs]
+                cache.append([p.shape[1] for p in parts])
+                h = np.concatenate(parts, axis=1)
+            elif isinstance(layer, Embedding):
                 cache.append((h, pi))
                 h = params[pi][h]
                 pi += 1
@@ -544,12 +630,15 @@ class NumpyEngine:
             elif isinstance(layer, Flatten):
                 cache.append(h.shape)
                 h = h.reshape(h.shape[0], -1)
+            outs.append(h)
         return h, cache
 
     def _backward(self, params: list[np.ndarray], x: np.ndarray, y: np.ndarray,
-                  masks: list[np.ndarray] | None = None):
+                  masks: list[np.ndarray] | None = None, plain: bool = False):
         """Per-layer per-sample pieces, per-sample squared norms (over the masked
-        coordinates when ``masks`` is given) and losses."""
+        coordinates when ``masks`` is given) and losses. ``plain``: each layer's piece is
+        ("sum", [its parameters' gradients summed over the batch]), formed without the
+        per-sample tensors, and no norms are computed (``sq`` stays 0)."""
         logits, cache = self._forward(params, x)
         z = logits - logits.max(axis=1, keepdims=True)
         logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
@@ -559,7 +648,29 @@ class NumpyEngine:
         d[rows, y] -= 1.0
         sq = np.zeros(len(y), dtype=np.float64)
         pieces: dict[int, tuple] = {}
-        for layer, c in zip(reversed(self.spec.layers), reversed(cache), strict=True):
+        up = _upstream(self.spec)
+        last = len(self.spec.layers) - 1
+        pending: dict[int, np.ndarray] = {last: d}
+        for i in range(last, -1, -1):
+            if i not in pending:  # nothing upstream of this node has parameters
+                continue
+            layer, c, d = self.spec.layers[i], cache[i], pending.pop(i)
+            srcs = self.spec.node_inputs(i)
+            if isinstance(layer, Add):
+                for j in srcs:
+                    _send(pending, up, j, d)
+                continue
+            if isinstance(layer, Concat):
+                bounds = np.cumsum(c)[:-1]
+                for j, part in zip(srcs, np.split(d, bounds, axis=1), strict=True):
+                    _send(pending, up, j, part)
+                continue
+            if isinstance(layer, Embedding) and plain:
+                ids, pi = c
+                gw = np.zeros((layer.num_embeddings, layer.embedding_dim), np.float32)
+                np.add.at(gw, ids, d)
+                pieces[pi] = ("sum", [gw])
+                continue
             if isinstance(layer, Embedding):  # always the first layer: nothing below it
                 ids, pi = c
                 gw = np.zeros((len(y), layer.num_embeddings, layer.embedding_dim), np.float32)
@@ -569,34 +680,41 @@ class NumpyEngine:
                     gw = gw * masks[pi]
                 sq += np.einsum("bvd,bvd->b", gw, gw)
                 pieces[pi] = ("embedding", gw)
-                break
+                continue
             if isinstance(layer, Linear):
                 a, pi = c
-                if masks is None:
+                if plain:
+                    pieces[pi] = ("sum", [d.T @ a, d.sum(axis=0)])
+                elif masks is None:
                     dd = np.einsum("bo,bo->b", d, d)
                     sq += dd * np.einsum("bi,bi->b", a, a) + dd
                 else:
                     d2 = d * d
                     sq += np.einsum("bi,bi->b", d2 @ masks[pi], a * a) + d2 @ masks[pi + 1]
-                pieces[pi] = ("linear", d, a)
-                if pi == 0:
-                    break
+                if not plain:
+                    pieces[pi] = ("linear", d, a)
+                if not up[srcs[0]]:
+                    continue
                 d = d @ params[pi]
             elif isinstance(layer, Conv2d | Conv1d):
                 cols, pi, in_shape = c[:3]
                 dflat = d.reshape(d.shape[0], d.shape[1], -1)
-                if layer.groups == 1:
+                if plain:  # per-sample MatMuls summed (faster than one transposed contraction)
+                    gw = _conv_weight_grad(dflat, cols, layer.groups).sum(axis=0)
+                    pieces[pi] = ("sum", [gw.reshape(params[pi].shape), dflat.sum(axis=(0, 2))])
+                elif layer.groups == 1:
                     gw = np.matmul(dflat, cols.transpose(0, 2, 1))
                 else:
                     gw = _conv_weight_grad(dflat, cols, layer.groups)
-                gb = dflat.sum(axis=2)
-                if masks is not None:
-                    gw = gw * masks[pi].reshape(1, gw.shape[1], -1)
-                    gb = gb * masks[pi + 1]
-                sq += np.einsum("boi,boi->b", gw, gw) + np.einsum("bo,bo->b", gb, gb)
-                pieces[pi] = ("conv", gw, gb)
-                if pi == 0:
-                    break
+                if not plain:
+                    gb = dflat.sum(axis=2)
+                    if masks is not None:
+                        gw = gw * masks[pi].reshape(1, gw.shape[1], -1)
+                        gb = gb * masks[pi + 1]
+                    sq += np.einsum("boi,boi->b", gw, gw) + np.einsum("bo,bo->b", gb, gb)
+                    pieces[pi] = ("conv", gw, gb)
+                if not up[srcs[0]]:
+                    continue
                 if layer.groups == 1:
                     w2 = params[pi].reshape(layer.out_channels, -1)
                     dcols = np.matmul(w2.T, dflat)  # B, C*k*k, Ho*Wo
@@ -614,13 +732,16 @@ class NumpyEngine:
             elif isinstance(layer, LayerNorm | GroupNorm):
                 saved, pi = c
                 gw, gb = _norm_backward(d, saved)
-                if masks is not None:
+                if plain:
+                    pieces[pi] = ("sum", [gw.sum(axis=0), gb.sum(axis=0)])
+                elif masks is not None:
                     gw, gb = gw * masks[pi], gb * masks[pi + 1]
-                sq += (np.einsum("bi,bi->b", gw.reshape(len(y), -1), gw.reshape(len(y), -1))
-                       + np.einsum("bi,bi->b", gb.reshape(len(y), -1), gb.reshape(len(y), -1)))
-                pieces[pi] = ("norm", gw, gb)
-                if pi == 0:
-                    break
+                if not plain:
+                    gw2, gb2 = gw.reshape(len(y), -1), gb.reshape(len(y), -1)
+                    sq += np.einsum("bi,bi->b", gw2, gw2) + np.einsum("bi,bi->b", gb2, gb2)
+                    pieces[pi] = ("norm", gw, gb)
+                if not up[srcs[0]]:
+                    continue
                 d = _norm_input_grad(d, saved)
             elif isinstance(layer, AvgPool2d | AvgPool1d):
                 d = _avg_unpool(d, layer, c)
@@ -631,6 +752,7 @@ class NumpyEngine:
                 d = d * c
             elif isinstance(layer, Flatten):
                 d = d.reshape(c)
+            _send(pending, up, srcs[0], d)
         return pieces, sq, losses
 
     @staticmethod
@@ -680,6 +802,16 @@ class NumpyEngine:
                 pair = [pair[0] * ms[pi], pair[1] * ms[pi + 1]]
             out += pair
         return GradResult(norms, losses.astype(np.float32), out)
+
+    def grad_sum(self, params: Sequence[np.ndarray], x: np.ndarray,
+                 y: np.ndarray) -> SumResult:
+        """Same contract as :meth:`OnnxEngine.grad_sum`."""
+        x = _inputs(self.spec, x)
+        y = np.asarray(y, dtype=np.int64)
+        _check_batch(self.spec, x, y)
+        pieces, _, losses = self._backward(_check_params(self.spec, params), x, y, plain=True)
+        out = [g.astype(np.float32, copy=False) for pi in sorted(pieces) for g in pieces[pi][1]]
+        return SumResult(losses.astype(np.float32), out)
 
     def per_sample_grads(
         self, params: Sequence[np.ndarray], x: np.ndarray, y: np.ndarray

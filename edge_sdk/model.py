@@ -20,11 +20,14 @@ from edge_sdk.errors import EdgeError
 __all__ = [
     "ACTIVATIONS",
     "BATCHNORM_REASON",
+    "COMBINERS",
     "DROPOUT_REASON",
     "NORMS",
     "ZOO",
+    "Add",
     "AvgPool1d",
     "AvgPool2d",
+    "Concat",
     "Conv1d",
     "Conv2d",
     "Embedding",
@@ -360,12 +363,33 @@ class Hardswish:
     kind: str = field(default="hardswish", init=False)
 
 
-Layer = (Linear | Embedding | Conv2d | Conv1d | MaxPool2d | MaxPool1d | AvgPool2d | AvgPool1d
-         | GlobalAvgPool | Relu | Flatten | Tanh | Sigmoid | Gelu | LeakyRelu | Hardswish
-         | LayerNorm | GroupNorm)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Add:
+    """Element-wise sum of two or more nodes of one shape (a residual connection). The
+    gradient reaching it goes unchanged to every input."""
+
+    kind: str = field(default="add", init=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Concat:
+    """Concatenation of two or more nodes along the channel axis (axis 0 of a sample; the
+    other axes must agree). The gradient reaching it is split back by channels."""
+
+    kind: str = field(default="concat", init=False)
+
+
+# Nodes that read several others; every other layer reads exactly one.
+COMBINERS = (Add, Concat)
+
+Layer = (Add | Concat | Linear | Embedding | Conv2d | Conv1d | MaxPool2d | MaxPool1d | AvgPool2d
+         | AvgPool1d | GlobalAvgPool | Relu | Flatten | Tanh | Sigmoid | Gelu | LeakyRelu
+         | Hardswish | LayerNorm | GroupNorm)
 # Element-wise activations: no parameters, shape kept, gradient = upstream * f'(pre-activation).
 ACTIVATIONS = (Relu, Tanh, Sigmoid, Gelu, LeakyRelu, Hardswish)
 _LAYER_TYPES: dict[str, type] = {
+    "add": Add,
+    "concat": Concat,
     "linear": Linear,
     "embedding": Embedding,
     "conv2d": Conv2d,
@@ -389,20 +413,37 @@ _LAYER_TYPES: dict[str, type] = {
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec:
-    """A classifier as a layer list, ending in logits over ``num_classes``.
+    """A classifier as a graph of layers, ending in logits over ``num_classes``.
 
-    The loss is always softmax cross-entropy on the final logits.
+    The loss is always softmax cross-entropy on the final logits. Layer i is node ``l{i}``;
+    ``inputs[i]`` lists the nodes it reads, as indices (-1: the model input ``x``, j: node
+    ``l{j}``, j < i, so the list order is a topological order). ``inputs=None`` is a chain
+    (layer i reads layer i - 1), the form every model had before residual blocks; a chain
+    given explicitly is stored as None, so its spec, manifest and graphs stay the same. The
+    last layer is the output; every other node must be read by some later one.
     """
 
     name: str
     input_shape: tuple[int, ...]
     num_classes: int
     layers: tuple[Layer, ...]
+    inputs: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
-        shape = tuple(self.input_shape)
-        for i, layer in enumerate(self.layers):
-            shape = _out_shape(layer, shape, i)
+        if self.inputs is not None:
+            given = tuple(tuple(int(j) for j in srcs) for srcs in self.inputs)
+            if len(given) != len(self.layers):
+                raise ValueError(f"model {self.name!r}: {len(given)} input lists for "
+                                 f"{len(self.layers)} layers")
+            chain = all(srcs == (i - 1,) for i, srcs in enumerate(given))
+            object.__setattr__(self, "inputs", None if chain else given)
+        shape = self.layer_shapes()[-1] if self.layers else tuple(self.input_shape)
+        if self.inputs is not None:
+            read = {j for srcs in self.inputs for j in srcs}
+            dead = [f"l{i}" for i in range(len(self.layers) - 1) if i not in read]
+            if dead:
+                raise ValueError(f"model {self.name!r}: nodes {dead} are never read (only "
+                                 "the last layer is an output)")
         if shape != (self.num_classes,):
             raise ValueError(
                 f"model {self.name!r} ends in shape {shape}, expected ({self.num_classes},)"
@@ -439,12 +480,26 @@ class ModelSpec:
                 out.append((f"l{i}.bias", (layer.num_channels,)))
         return out
 
+    def node_inputs(self, i: int) -> tuple[int, ...]:
+        """The nodes layer ``i`` reads (-1: the model input)."""
+        return (i - 1,) if self.inputs is None else self.inputs[i]
+
     def layer_shapes(self) -> list[tuple[int, ...]]:
         """Each layer's per-sample output shape, in order."""
-        shapes, shape = [], tuple(self.input_shape)
+        shapes: list[tuple[int, ...]] = []
         for i, layer in enumerate(self.layers):
-            shape = _out_shape(layer, shape, i)
-            shapes.append(shape)
+            srcs = self.node_inputs(i)
+            where = f"layer {i} ({layer.kind})"
+            if any(not -1 <= j < i for j in srcs):
+                raise ValueError(f"{where} reads {list(srcs)}: inputs must be earlier nodes "
+                                 f"(-1 is the model input, j < {i} a layer)")
+            many = isinstance(layer, COMBINERS)
+            if (len(srcs) < 2) if many else (len(srcs) != 1):
+                want = "two or more inputs" if many else "exactly one input"
+                raise ValueError(f"{where} reads {list(srcs)}, expected {want}")
+            ins = [tuple(self.input_shape) if j < 0 else shapes[j] for j in srcs]
+            shapes.append(_combined_shape(layer, ins, where) if many
+                          else _out_shape(layer, ins[0], i))
         return shapes
 
     @property
@@ -462,6 +517,10 @@ class ModelSpec:
             if isinstance(layer, MaxPool2d) and d["stride"] == d["kernel"]:
                 del d["stride"]
             layers.append({"kind": layer.kind, **d})
+            if self.inputs is not None and self.inputs[len(layers) - 1] != (len(layers) - 2,):
+                # a graph: a node that does not read the previous one names what it reads
+                layers[-1]["inputs"] = ["x" if j < 0 else f"l{j}"
+                                        for j in self.inputs[len(layers) - 1]]
         return {
             "name": self.name,
             "input_shape": list(self.input_shape),
@@ -471,10 +530,11 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelSpec:
-        layers = []
-        for entry in data["layers"]:
+        layers, inputs = [], []
+        for i, entry in enumerate(data["layers"]):
             entry = dict(entry)
             kind = entry.pop("kind")
+            inputs.append(tuple(_node_index(n, i) for n in entry.pop("inputs", [_name(i - 1)])))
             if str(kind).lower().startswith("batchnorm"):
                 raise UnsupportedLayer(f"layer kind {kind!r}: {BATCHNORM_REASON}")
             if str(kind).lower().startswith("dropout"):
@@ -489,7 +549,33 @@ class ModelSpec:
             input_shape=tuple(int(v) for v in data["input_shape"]),
             num_classes=int(data["num_classes"]),
             layers=tuple(layers),
+            inputs=tuple(inputs),
         )
+
+
+def _name(j: int) -> str:
+    return "x" if j < 0 else f"l{j}"
+
+
+def _node_index(name: Any, i: int) -> int:
+    """-1 for "x", j for "l{j}" (a manifest's node names)."""
+    if name == "x":
+        return -1
+    if isinstance(name, str) and name[:1] == "l" and name[1:].isdigit():
+        return int(name[1:])
+    raise ValueError(f"layer {i}: input {name!r} is not a node name (\"x\" or \"l<index>\")")
+
+
+def _combined_shape(layer: Add | Concat, shapes: list[tuple[int, ...]],
+                    where: str) -> tuple[int, ...]:
+    if isinstance(layer, Add):
+        if len(set(shapes)) != 1:
+            raise ValueError(f"{where} adds inputs of different shapes {shapes}")
+        return shapes[0]
+    if len({len(s) for s in shapes}) != 1 or len({s[1:] for s in shapes}) != 1:
+        raise ValueError(f"{where} concatenates along channels inputs whose other axes "
+                         f"differ: {shapes}")
+    return (sum(s[0] for s in shapes), *shapes[0][1:])
 
 
 def _out_shape(layer: Layer, shape: tuple[int, ...], index: int) -> tuple[int, ...]:

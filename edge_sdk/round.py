@@ -75,6 +75,8 @@ class LedgerLike(Protocol):
 
     def epsilon_if(self, plan: Plan) -> float: ...
 
+    def device_epsilon_if(self, plan: Plan) -> float | None: ...
+
     def reserve(self, plan: Plan) -> Reservation: ...
 
     def commit(self, reservation: Reservation) -> None: ...
@@ -156,6 +158,21 @@ def ledger_round(fleet: str, round_id: int) -> str:
     return f"{fleet}/{round_id}"
 
 
+def _budget_detail(ledger: LedgerLike, plan: Plan) -> str:
+    """Why ``plan`` is over the budget, per unit with a limit (sample-level local, and the
+    device-level aggregate one when set; None: a release with no device-level theorem)."""
+    budget = ledger.budget
+    local = ledger.epsilon_if(plan)
+    out = f"sample-level local epsilon would reach {local:.4g} (budget {budget.epsilon:g})"
+    limit = getattr(budget, "device_epsilon", None)
+    if limit is not None:
+        dev = ledger.device_epsilon_if(plan)
+        out += (f"; device-level epsilon would reach "
+                f"{'None (no device-level theorem)' if dev is None else f'{dev:.4g}'} "
+                f"(budget {limit:g})")
+    return out
+
+
 def open_round(
     plan: RoundPlan,
     *,
@@ -221,12 +238,12 @@ def open_round(
     event, aggregate = device.events(m=len(y), honest=honest)
     ledger_plan = Plan(round_id=key, model_id=str(plan.model_version), event=event,
                        aggregate_event=aggregate, cohort_size=plan.min_survivors,
-                       secagg_threshold=plan.threshold)
+                       secagg_threshold=plan.threshold,
+                       device_event=device.device_event(honest=honest),
+                       colluders=plan.min_survivors - honest)
     try:
-        if ledger.would_exceed(ledger_plan):
-            return Declined(reason="budget", detail=f"epsilon would reach "
-                            f"{ledger.epsilon_if(ledger_plan):.4g} > "
-                            f"{ledger.budget.epsilon:g}")
+        if ledger.would_exceed(ledger_plan):  # on whichever unit has a budget
+            return Declined(reason="budget", detail=_budget_detail(ledger, ledger_plan))
     except (LedgerError, ValueError) as e:
         return Declined(reason="ledger", detail=str(e))
     # Reserved before training: from here on every outcome (upload, "diverged" decline,

@@ -9,8 +9,10 @@ absent means float32). Run with ``fedge export``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,8 +90,16 @@ def _export(module: torch.nn.Module, args: tuple, names_in: list[str], names_out
     _check_dynamic_batch(model, batch_inputs, path)
 
 
-def export_variant(spec: ModelSpec, out_dir: Path = ONNX_DIR) -> Path:
-    """Write ``<name>.{grad,maskgrad,infer}.onnx`` and ``<name>.json``; return the json."""
+def export_variant(spec: ModelSpec, out_dir: Path = ONNX_DIR, *, plain: bool = False,
+                   digests: bool = False) -> Path:
+    """Write ``<name>.{grad,maskgrad,infer}.onnx`` and ``<name>.json``; return the json.
+
+    ``plain``: also ``<name>.plaingrad.onnx``, ``(*params, x, y) -> (losses, *grad_sums)``,
+    the batch's unclipped summed gradient for the device-level mode, recorded in the
+    manifest as ``plain_grad_graph`` (without it a device computes the same sum from the
+    per-sample graph with clip = inf). ``digests``: the manifest records each graph's sha256
+    (``graph_sha256``), and a device refuses a graph file that does not match it. Both off
+    by default so the zoo's files stay as they are."""
     out_dir.mkdir(parents=True, exist_ok=True)
     name = variant_name(spec.name, spec.input_shape, spec.num_classes)
     shapes = spec.param_shapes()
@@ -115,6 +125,10 @@ def export_variant(spec: ModelSpec, out_dir: Path = ONNX_DIR) -> Path:
             out_dir / f"{name}.maskgrad.onnx")
     _export(Logits(spec), (*params, x), [*pnames, "x"], ["logits"], ["x"],
             out_dir / f"{name}.infer.onnx")
+    if plain:
+        _export(PerSampleGrad(spec, plain=True), (*params, x, y), [*pnames, "x", "y"],
+                ["losses", *(f"grad.{n}" for n in pnames)], ["x", "y"],
+                out_dir / f"{name}.plaingrad.onnx")
     manifest = {
         "format": 1,
         "name": name,
@@ -126,6 +140,13 @@ def export_variant(spec: ModelSpec, out_dir: Path = ONNX_DIR) -> Path:
         "grad_outputs": grad_outputs,
         "opset": OPSET,
     }
+    if plain:
+        manifest["plain_grad_graph"] = f"{name}.plaingrad.onnx"
+    if digests:  # what the graphs compute, bound to the spec beside it
+        manifest["graph_sha256"] = {
+            key: hashlib.sha256((out_dir / manifest[key]).read_bytes()).hexdigest()
+            for key in ("grad_graph", "masked_grad_graph", "infer_graph", "plain_grad_graph")
+            if key in manifest}
     if spec.input_dtype != "float32":  # float models' manifests keep their form
         manifest["input_dtype"] = spec.input_dtype
     path = out_dir / f"{name}.json"
@@ -141,3 +162,19 @@ def export_all(out_dir: Path = ONNX_DIR, only: str | None = None) -> list[Path]:
             continue
         written.append(export_variant(build_spec(v.arch, v.input_shape, v.num_classes), out_dir))
     return written
+
+
+def export_module(target: str, input_shape: Sequence[int], num_classes: int | None = None,
+                  out_dir: Path = ONNX_DIR, name: str | None = None) -> Path:
+    """``fedge export --module pkg.mod:factory``: trace the factory's module (torch.fx), map
+    it onto a spec graph (naming the first unsupported operation), export its per-sample,
+    masked, plain and inference graphs and a manifest recording the spec and each graph's
+    sha256. ``num_classes`` defaults to the width of the module's output."""
+    from models.trace import load_factory, num_classes_of, spec_from_traced
+
+    module = load_factory(target)
+    shape = tuple(int(v) for v in input_shape)
+    if num_classes is None:
+        num_classes = num_classes_of(module, shape)
+    spec = spec_from_traced(module, shape, num_classes, name or target.rpartition(":")[2])
+    return export_variant(spec, out_dir, plain=True, digests=True)

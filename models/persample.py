@@ -37,6 +37,10 @@ out layer by layer for the supported set, with the weights as graph inputs:
   clipped sum one MatMul of the scaled d with the one-hot ids.
 * Tanh, Sigmoid, GELU (erf or tanh form), LeakyReLU, Hardswish: the upstream gradient times
   f'(pre-activation), f' written out as torch's autograd computes it (see ``activation``).
+* Graphs (``ModelSpec.inputs``): Add passes its gradient unchanged to each input, Concat
+  splits it by channels; a node read by several layers adds what they send back; gradients
+  are only carried to nodes with parameters upstream (a chain: nothing below its first
+  parameterised layer, as before, so chains trace to the same graphs).
 
 Outputs: per-sample L2 norms [B] of the full gradient, per-sample losses [B], then the
 sum over the batch of the clipped per-sample gradients, one output per parameter.
@@ -47,6 +51,10 @@ the masked per-sample gradients (for a Linear layer sum_oi M_oi d_o^2 a_i^2, one
 (d*d) @ M), clipping on those norms, and the masked clipped sum.
 Clip factor: min(1, C / max(norm, tiny)), so zero gradients stay zero and C = inf
 disables clipping.
+
+The plain variant (``plain=True``) returns per-sample losses and the batch's unclipped
+summed gradient, without norms, for the device-level mode (each device clips its whole
+update, issue 16).
 """
 
 from __future__ import annotations
@@ -60,8 +68,10 @@ from torch import Tensor, nn
 
 from edge_sdk.model import (
     ACTIVATIONS,
+    Add,
     AvgPool1d,
     AvgPool2d,
+    Concat,
     Conv1d,
     Conv2d,
     Embedding,
@@ -299,23 +309,177 @@ def max_pool_input_grad(d: Tensor, c: dict[str, Any], layer: MaxPool2d | MaxPool
     return g.reshape(-1, ch, hi, wi).reshape(-1, *c["in_shape"])
 
 
-class PerSampleGrad(nn.Module):
-    """forward(*params, [*masks,] x, y, clip) -> (norms, losses, *clipped_grad_sums)."""
+def _upstream(spec: ModelSpec) -> dict[int, bool]:
+    """Node -> whether it or a node it depends on has parameters (-1, the input: never): a
+    gradient is only carried back to nodes marked True."""
+    up: dict[int, bool] = {-1: False}
+    for i, layer in enumerate(spec.layers):
+        own = bool(_PARAMS.get(type(layer)))
+        up[i] = own or any(up[j] for j in spec.node_inputs(i))
+    return up
 
-    def __init__(self, spec: ModelSpec, *, masked: bool = False) -> None:
+
+def _send(pending: dict[int, Any], up: dict[int, bool], j: int, d: Any) -> None:
+    """Carry the gradient ``d`` back to node ``j`` (added to what other readers sent)."""
+    if up.get(j):
+        pending[j] = pending[j] + d if j in pending else d
+
+
+_PARAMS = {Linear: 2, Conv2d: 2, Conv1d: 2, LayerNorm: 2, GroupNorm: 2, Embedding: 1}
+
+
+class PerSampleGrad(nn.Module):
+    """forward(*params, [*masks,] x, y, clip) -> (norms, losses, *clipped_grad_sums).
+
+    ``plain=True``: forward(*params, x, y) -> (losses, *grad_sums), the batch's summed
+    gradient without per-sample norms or clipping (the device-level mode clips a device's
+    whole update instead): the same backward pass, but each parameter's gradient is summed
+    over the batch (no clip factors), and no per-sample squared norms are computed."""
+
+    def __init__(self, spec: ModelSpec, *, masked: bool = False, plain: bool = False) -> None:
         super().__init__()
+        if masked and plain:
+            raise ValueError("a plain gradient graph has no masks (rand-k clips per sample)")
         self.spec = spec
         self.masked = masked
+        self.plain = plain
         self.n_params = len(spec.param_shapes())
 
     def forward(self, *args: Tensor) -> tuple[Tensor, ...]:
         n = self.n_params
+        if self.plain:
+            return self._plain(args[:n], args[-2], args[-1])
         params, x, y, clip = args[:n], args[-3], args[-2], args[-1]
         masks = args[n : 2 * n] if self.masked else None
+        h, cache = self._forward(params, x)
+        logp = torch.log_softmax(h, dim=1)
+        onehot = F.one_hot(y, self.spec.num_classes).to(h.dtype)
+        losses = -(logp * onehot).sum(dim=1)
+        d = torch.exp(logp) - onehot
+
+        sq = torch.zeros_like(losses)
+        saved: list[tuple[str, Any]] = []
+        up = _upstream(self.spec)
+        last = len(self.spec.layers) - 1
+        pending: dict[int, Tensor] = {last: d}
+        for i in range(last, -1, -1):
+            if i not in pending:  # nothing upstream of this node has parameters
+                continue
+            layer, c, d = self.spec.layers[i], cache[i], pending.pop(i)
+            srcs = self.spec.node_inputs(i)
+            if isinstance(layer, Add):
+                for j in srcs:
+                    _send(pending, up, j, d)
+                continue
+            if isinstance(layer, Concat):
+                start = 0
+                for j, size in zip(srcs, c["sizes"], strict=True):
+                    _send(pending, up, j, d[:, start : start + size])
+                    start += size
+                continue
+            if isinstance(layer, Embedding):  # always the first layer: nothing below it
+                onehot_ids = F.one_hot(c["ids"], layer.num_embeddings).to(d.dtype)
+                gw = torch.matmul(onehot_ids.transpose(1, 2), d)  # B, V, D
+                if masks is not None:
+                    gw = gw * masks[c["pi"]]
+                sq = sq + (gw * gw).sum(dim=(1, 2))
+                saved.append(("embedding", (c["pi"], gw)))
+                continue
+            if isinstance(layer, Linear):
+                a, pi = c["a"], c["pi"]
+                if masks is None:
+                    dd = (d * d).sum(dim=1)
+                    sq = sq + dd * (a * a).sum(dim=1) + dd
+                else:
+                    d2 = d * d
+                    sq = sq + ((d2 @ masks[pi]) * (a * a)).sum(dim=1) + d2 @ masks[pi + 1]
+                saved.append(("linear", (pi, d, a)))
+                if not up.get(srcs[0]):  # nothing below needs a gradient
+                    continue
+                d = d @ c["w"]
+            elif isinstance(layer, Conv2d | Conv1d):
+                dflat = d.reshape(d.shape[0], d.shape[1], -1)
+                gw = conv_weight_grad(dflat, c["cols"], c["layer"].groups if "layer" in c else 1)
+                gb = dflat.sum(dim=2)
+                if masks is not None:
+                    gw = gw * masks[c["pi"]].reshape(1, gw.shape[1], -1)
+                    gb = gb * masks[c["pi"] + 1]
+                sq = sq + (gw * gw).sum(dim=(1, 2)) + (gb * gb).sum(dim=1)
+                saved.append(("conv", (c["pi"], gw, gb)))
+                if not up.get(srcs[0]):
+                    continue
+                if "layer" in c:
+                    d = conv_input_grad(d, c["w"], c["layer"], c["in_shape"])
+                else:
+                    d = F.conv_transpose2d(d, c["w"])
+            elif isinstance(layer, MaxPool2d | MaxPool1d):
+                d = (_unpool(d, c["winners"]) if "winners" in c
+                     else max_pool_input_grad(d, c, layer))
+            elif isinstance(layer, LayerNorm | GroupNorm):
+                gw, gb = norm_backward(d, c, layer)
+                if masks is not None:
+                    gw, gb = gw * masks[c["pi"]], gb * masks[c["pi"] + 1]
+                sq = sq + (gw * gw).flatten(1).sum(dim=1) + (gb * gb).flatten(1).sum(dim=1)
+                saved.append(("norm", (c["pi"], gw, gb)))
+                if not up.get(srcs[0]):
+                    continue
+                d = norm_input_grad(d, c)
+            elif isinstance(layer, AvgPool2d | AvgPool1d):
+                d = avg_unpool(d, layer, c["shape"])
+            elif isinstance(layer, GlobalAvgPool):
+                n = math.prod(c["shape"][1:])
+                d = (d * (1.0 / n)).expand(-1, *c["shape"])
+            elif isinstance(layer, ACTIVATIONS):
+                d = d * c["mask"]
+            elif isinstance(layer, Flatten):
+                d = d.reshape((-1, *c["shape"]))
+            _send(pending, up, srcs[0], d)
+
+        norms = torch.sqrt(sq)
+        scale = torch.clamp(clip / torch.clamp(norms, min=_TINY), max=1.0)
+        grads: list[Tensor] = [torch.empty(0)] * self.n_params
+        for kind, payload in saved:
+            if kind == "embedding":
+                pi, gw = payload
+                grads[pi] = torch.einsum("b,bvd->vd", scale, gw)
+            elif kind == "linear":
+                pi, dl, a = payload
+                ds = dl * scale[:, None]
+                grads[pi] = ds.t() @ a
+                grads[pi + 1] = ds.sum(dim=0)
+                if masks is not None:
+                    grads[pi] = grads[pi] * masks[pi]
+                    grads[pi + 1] = grads[pi + 1] * masks[pi + 1]
+            elif kind == "norm":
+                pi, gw, gb = payload
+                shape = self.spec.param_shapes()[pi][1]
+                grads[pi] = (gw * scale.reshape(-1, *([1] * len(shape)))).sum(dim=0)
+                grads[pi + 1] = (gb * scale.reshape(-1, *([1] * len(shape)))).sum(dim=0)
+            else:
+                pi, gw, gb = payload
+                w_shape = self.spec.param_shapes()[pi][1]
+                grads[pi] = torch.einsum("b,boi->oi", scale, gw).reshape(w_shape)
+                grads[pi + 1] = (gb * scale[:, None]).sum(dim=0)
+        return (norms, losses, *grads)
+
+
+    def _forward(self, params: tuple[Tensor, ...], x: Tensor) -> tuple[Tensor, list]:
+        """Logits and each layer's backward cache."""
         cache: list[dict[str, Any]] = []
-        h, pi = x, 0
-        for layer in self.spec.layers:
-            if isinstance(layer, Embedding):
+        outs: list[Tensor] = []
+        pi = 0
+        for i, layer in enumerate(self.spec.layers):
+            srcs = self.spec.node_inputs(i)
+            h = x if srcs[0] < 0 else outs[srcs[0]]
+            if isinstance(layer, Add):
+                cache.append({})
+                for j in srcs[1:]:
+                    h = h + (x if j < 0 else outs[j])
+            elif isinstance(layer, Concat):
+                parts = [x if j < 0 else outs[j] for j in srcs]
+                cache.append({"sizes": [int(t.shape[1]) for t in parts]})
+                h = torch.cat(parts, dim=1)
+            elif isinstance(layer, Embedding):
                 cache.append({"ids": h, "pi": pi})
                 h = params[pi][h]
                 pi += 1
@@ -368,46 +532,56 @@ class PerSampleGrad(nn.Module):
             elif isinstance(layer, Flatten):
                 cache.append({"shape": h.shape[1:]})
                 h = h.reshape(h.shape[0], -1)
+            outs.append(h)
 
+        return h, cache
+
+    def _plain(self, params: tuple[Tensor, ...], x: Tensor, y: Tensor) -> tuple[Tensor, ...]:
+        h, cache = self._forward(params, x)
         logp = torch.log_softmax(h, dim=1)
         onehot = F.one_hot(y, self.spec.num_classes).to(h.dtype)
         losses = -(logp * onehot).sum(dim=1)
-        d = torch.exp(logp) - onehot
-
-        sq = torch.zeros_like(losses)
-        saved: list[tuple[str, Any]] = []
-        for layer, c in zip(reversed(self.spec.layers), reversed(cache), strict=True):
-            if isinstance(layer, Embedding):  # always the first layer: nothing below it
+        up = _upstream(self.spec)
+        last = len(self.spec.layers) - 1
+        pending: dict[int, Tensor] = {last: torch.exp(logp) - onehot}
+        grads: list[Tensor] = [torch.empty(0)] * self.n_params
+        for i in range(last, -1, -1):
+            if i not in pending:
+                continue
+            layer, c, d = self.spec.layers[i], cache[i], pending.pop(i)
+            srcs = self.spec.node_inputs(i)
+            if isinstance(layer, Add):
+                for j in srcs:
+                    _send(pending, up, j, d)
+                continue
+            if isinstance(layer, Concat):
+                start = 0
+                for j, size in zip(srcs, c["sizes"], strict=True):
+                    _send(pending, up, j, d[:, start : start + size])
+                    start += size
+                continue
+            if isinstance(layer, Embedding):
                 onehot_ids = F.one_hot(c["ids"], layer.num_embeddings).to(d.dtype)
-                gw = torch.matmul(onehot_ids.transpose(1, 2), d)  # B, V, D
-                if masks is not None:
-                    gw = gw * masks[c["pi"]]
-                sq = sq + (gw * gw).sum(dim=(1, 2))
-                saved.append(("embedding", (c["pi"], gw)))
-                break
+                rows = onehot_ids.reshape(-1, layer.num_embeddings)
+                grads[c["pi"]] = rows.t() @ d.reshape(rows.shape[0], -1)
+                continue
             if isinstance(layer, Linear):
-                a, pi = c["a"], c["pi"]
-                if masks is None:
-                    dd = (d * d).sum(dim=1)
-                    sq = sq + dd * (a * a).sum(dim=1) + dd
-                else:
-                    d2 = d * d
-                    sq = sq + ((d2 @ masks[pi]) * (a * a)).sum(dim=1) + d2 @ masks[pi + 1]
-                saved.append(("linear", (pi, d, a)))
-                if c["pi"] == 0:  # nothing below the first layer needs a gradient
-                    break
+                grads[c["pi"]] = d.t() @ c["a"]
+                grads[c["pi"] + 1] = d.sum(dim=0)
+                if not up.get(srcs[0]):
+                    continue
                 d = d @ c["w"]
             elif isinstance(layer, Conv2d | Conv1d):
                 dflat = d.reshape(d.shape[0], d.shape[1], -1)
+                # the batched per-sample MatMul, then a sum over the batch: measured faster in
+                # onnxruntime than one contraction over batch and positions, whose transposed
+                # copy of the columns costs more than the [B, out, C*k*k] it saves
                 gw = conv_weight_grad(dflat, c["cols"], c["layer"].groups if "layer" in c else 1)
-                gb = dflat.sum(dim=2)
-                if masks is not None:
-                    gw = gw * masks[c["pi"]].reshape(1, gw.shape[1], -1)
-                    gb = gb * masks[c["pi"] + 1]
-                sq = sq + (gw * gw).sum(dim=(1, 2)) + (gb * gb).sum(dim=1)
-                saved.append(("conv", (c["pi"], gw, gb)))
-                if c["pi"] == 0:
-                    break
+                w_shape = self.spec.param_shapes()[c["pi"]][1]
+                grads[c["pi"]] = gw.sum(dim=0).reshape(w_shape)
+                grads[c["pi"] + 1] = dflat.sum(dim=(0, 2))
+                if not up.get(srcs[0]):
+                    continue
                 if "layer" in c:
                     d = conv_input_grad(d, c["w"], c["layer"], c["in_shape"])
                 else:
@@ -417,12 +591,9 @@ class PerSampleGrad(nn.Module):
                      else max_pool_input_grad(d, c, layer))
             elif isinstance(layer, LayerNorm | GroupNorm):
                 gw, gb = norm_backward(d, c, layer)
-                if masks is not None:
-                    gw, gb = gw * masks[c["pi"]], gb * masks[c["pi"] + 1]
-                sq = sq + (gw * gw).flatten(1).sum(dim=1) + (gb * gb).flatten(1).sum(dim=1)
-                saved.append(("norm", (c["pi"], gw, gb)))
-                if c["pi"] == 0:
-                    break
+                grads[c["pi"]], grads[c["pi"] + 1] = gw.sum(dim=0), gb.sum(dim=0)
+                if not up.get(srcs[0]):
+                    continue
                 d = norm_input_grad(d, c)
             elif isinstance(layer, AvgPool2d | AvgPool1d):
                 d = avg_unpool(d, layer, c["shape"])
@@ -433,33 +604,8 @@ class PerSampleGrad(nn.Module):
                 d = d * c["mask"]
             elif isinstance(layer, Flatten):
                 d = d.reshape((-1, *c["shape"]))
-
-        norms = torch.sqrt(sq)
-        scale = torch.clamp(clip / torch.clamp(norms, min=_TINY), max=1.0)
-        grads: list[Tensor] = [torch.empty(0)] * self.n_params
-        for kind, payload in saved:
-            if kind == "embedding":
-                pi, gw = payload
-                grads[pi] = torch.einsum("b,bvd->vd", scale, gw)
-            elif kind == "linear":
-                pi, dl, a = payload
-                ds = dl * scale[:, None]
-                grads[pi] = ds.t() @ a
-                grads[pi + 1] = ds.sum(dim=0)
-                if masks is not None:
-                    grads[pi] = grads[pi] * masks[pi]
-                    grads[pi + 1] = grads[pi + 1] * masks[pi + 1]
-            elif kind == "norm":
-                pi, gw, gb = payload
-                shape = self.spec.param_shapes()[pi][1]
-                grads[pi] = (gw * scale.reshape(-1, *([1] * len(shape)))).sum(dim=0)
-                grads[pi + 1] = (gb * scale.reshape(-1, *([1] * len(shape)))).sum(dim=0)
-            else:
-                pi, gw, gb = payload
-                w_shape = self.spec.param_shapes()[pi][1]
-                grads[pi] = torch.einsum("b,boi->oi", scale, gw).reshape(w_shape)
-                grads[pi + 1] = (gb * scale[:, None]).sum(dim=0)
-        return (norms, losses, *grads)
+            _send(pending, up, srcs[0], d)
+        return (losses, *grads)
 
 
 class Logits(nn.Module):
@@ -471,9 +617,17 @@ class Logits(nn.Module):
         self.n_params = len(spec.param_shapes())
 
     def forward(self, *args: Tensor) -> Tensor:
-        params, h, pi = args[: self.n_params], args[-1], 0
-        for layer in self.spec.layers:
-            if isinstance(layer, Embedding):
+        params, x, pi = args[: self.n_params], args[-1], 0
+        outs: list[Tensor] = []
+        for i, layer in enumerate(self.spec.layers):
+            srcs = self.spec.node_inputs(i)
+            h = x if srcs[0] < 0 else outs[srcs[0]]
+            if isinstance(layer, Add):
+                for j in srcs[1:]:
+                    h = h + (x if j < 0 else outs[j])
+            elif isinstance(layer, Concat):
+                h = torch.cat([x if j < 0 else outs[j] for j in srcs], dim=1)
+            elif isinstance(layer, Embedding):
                 h = params[pi][h]
                 pi += 1
             elif isinstance(layer, Linear):
@@ -509,4 +663,5 @@ class Logits(nn.Module):
                 h = activation(layer, h)[0]
             elif isinstance(layer, Flatten):
                 h = h.reshape(h.shape[0], -1)
+            outs.append(h)
         return h

@@ -7,6 +7,7 @@ against (torch.func, Opacus). Its parameter order equals ``spec.param_shapes()``
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,8 +16,10 @@ from torch import nn
 from edge_sdk.model import (
     BATCHNORM_REASON,
     DROPOUT_REASON,
+    Add,
     AvgPool1d,
     AvgPool2d,
+    Concat,
     Conv1d,
     Conv2d,
     Embedding,
@@ -38,11 +41,50 @@ from edge_sdk.model import (
 )
 
 
-def build_module(spec: ModelSpec, params: Sequence[np.ndarray] | None = None) -> nn.Sequential:
-    """An ``nn.Sequential`` equal to ``spec``; loads ``params`` (graph order) when given."""
+class AddNode(nn.Module):
+    """The sum of its inputs (a residual connection)."""
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        out = xs[0]
+        for x in xs[1:]:
+            out = out + x
+        return out
+
+
+class ConcatNode(nn.Module):
+    """Its inputs concatenated along the channel axis (dim 1 of a batch)."""
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        return torch.cat(xs, dim=1)
+
+
+class SpecGraph(nn.Module):
+    """A graph spec as a torch module: ``layers[i]`` reads the nodes ``inputs[i]`` (-1: the
+    module's input). Parameters in spec order, as ``nn.Sequential`` has them for a chain."""
+
+    def __init__(self, layers: Sequence[nn.Module], inputs: Sequence[Sequence[int]]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.inputs = [tuple(srcs) for srcs in inputs]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs: list[torch.Tensor] = []
+        for layer, srcs in zip(self.layers, self.inputs, strict=True):
+            outs.append(layer(*(x if j < 0 else outs[j] for j in srcs)))
+        return outs[-1]
+
+
+def build_module(spec: ModelSpec,
+                 params: Sequence[np.ndarray] | None = None) -> nn.Sequential | SpecGraph:
+    """An ``nn.Sequential`` equal to a chain ``spec`` (a :class:`SpecGraph` for a graph);
+    loads ``params`` (graph order) when given."""
     mods: list[nn.Module] = []
     for layer in spec.layers:
-        if isinstance(layer, Embedding):
+        if isinstance(layer, Add):
+            mods.append(AddNode())
+        elif isinstance(layer, Concat):
+            mods.append(ConcatNode())
+        elif isinstance(layer, Embedding):
             mods.append(nn.Embedding(layer.num_embeddings, layer.embedding_dim))
         elif isinstance(layer, Linear):
             mods.append(nn.Linear(layer.in_features, layer.out_features))
@@ -81,7 +123,8 @@ def build_module(spec: ModelSpec, params: Sequence[np.ndarray] | None = None) ->
             mods.append(nn.Hardswish())
         else:
             raise UnsupportedLayer(f"no torch module for layer {layer!r}")
-    module = nn.Sequential(*mods)
+    module = (nn.Sequential(*mods) if spec.inputs is None
+              else SpecGraph(mods, [spec.node_inputs(i) for i in range(len(mods))]))
     if params is not None:
         load_params(module, params)
     return module
@@ -121,6 +164,71 @@ def _pool_plain(mod: nn.Module) -> bool:
             and not mod.ceil_mode and getattr(mod, "divisor_override", None) is None)
 
 
+def layer_of(mod: nn.Module, where: str) -> Any:
+    """The spec layer of one torch module (``where`` names it in errors).
+
+    Raises:
+        UnsupportedLayer: the module is outside the supported set, with the reason.
+    """
+    kind = type(mod).__name__
+    if (isinstance(mod, nn.Embedding) and mod.padding_idx is None and mod.max_norm is None
+            and not mod.scale_grad_by_freq):
+        return Embedding(num_embeddings=mod.num_embeddings,
+                         embedding_dim=mod.embedding_dim)
+    elif isinstance(mod, nn.Linear) and mod.bias is not None:
+        return Linear(in_features=mod.in_features, out_features=mod.out_features)
+    elif (isinstance(mod, nn.Conv2d | nn.Conv1d) and mod.bias is not None
+          and len(set(mod.kernel_size)) == 1 and len(set(mod.stride)) == 1
+          and isinstance(mod.padding, tuple) and len(set(mod.padding)) == 1
+          and len(set(mod.dilation)) == 1 and mod.padding_mode == "zeros"):
+        cls = Conv2d if isinstance(mod, nn.Conv2d) else Conv1d
+        return cls(in_channels=mod.in_channels, out_channels=mod.out_channels,
+                   kernel=mod.kernel_size[0], stride=mod.stride[0],
+                   padding=mod.padding[0], dilation=mod.dilation[0],
+                   groups=mod.groups)
+    elif (isinstance(mod, nn.MaxPool2d | nn.MaxPool1d) and _pool_plain(mod)
+          and _one(mod.dilation) == 1 and len(set(np.atleast_1d(mod.dilation))) == 1
+          and not mod.return_indices):
+        cls = MaxPool2d if isinstance(mod, nn.MaxPool2d) else MaxPool1d
+        return cls(kernel=_one(mod.kernel_size), stride=_one(mod.stride))
+    elif isinstance(mod, nn.ReLU):
+        return Relu()
+    elif isinstance(mod, nn.Flatten):
+        return Flatten()
+    elif (isinstance(mod, nn.AvgPool2d | nn.AvgPool1d) and _pool_plain(mod)):
+        cls = AvgPool2d if isinstance(mod, nn.AvgPool2d) else AvgPool1d
+        return cls(kernel=_one(mod.kernel_size), stride=_one(mod.stride))
+    elif (isinstance(mod, nn.AdaptiveAvgPool2d | nn.AdaptiveAvgPool1d)
+          and set(np.atleast_1d(mod.output_size).tolist()) == {1}):
+        return GlobalAvgPool(dims=2 if isinstance(mod, nn.AdaptiveAvgPool2d) else 1)
+    elif (isinstance(mod, nn.LayerNorm) and mod.elementwise_affine
+          and mod.bias is not None):
+        return LayerNorm(normalized_shape=tuple(mod.normalized_shape),
+                         eps=float(mod.eps))
+    elif isinstance(mod, nn.GroupNorm) and mod.affine:
+        return GroupNorm(num_groups=mod.num_groups, num_channels=mod.num_channels,
+                         eps=float(mod.eps))
+    elif isinstance(mod, nn.modules.batchnorm._BatchNorm):
+        raise UnsupportedLayer(f"{where} ({kind}: {mod}): {BATCHNORM_REASON}")
+    elif isinstance(mod, nn.Tanh):
+        return Tanh()
+    elif isinstance(mod, nn.Sigmoid):
+        return Sigmoid()
+    elif isinstance(mod, nn.GELU):
+        return Gelu(approximate=mod.approximate)
+    elif isinstance(mod, nn.LeakyReLU):
+        return LeakyRelu(negative_slope=float(mod.negative_slope))
+    elif isinstance(mod, nn.Hardswish):
+        return Hardswish()
+    elif isinstance(mod, nn.modules.dropout._DropoutNd):
+        raise UnsupportedLayer(f"{where} ({kind}: {mod}): {DROPOUT_REASON}")
+    else:
+        raise UnsupportedLayer(
+            f"{where} ({kind}: {mod}) cannot be exported for per-sample gradients; "
+            f"supported: {_SUPPORTED}"
+        )
+
+
 def spec_from_module(
     module: nn.Sequential, input_shape: Sequence[int], num_classes: int, name: str = "custom"
 ) -> ModelSpec:
@@ -129,64 +237,6 @@ def spec_from_module(
     Raises:
         UnsupportedLayer: naming the first layer outside the supported set.
     """
-    layers: list = []
-    for i, mod in enumerate(module):
-        kind = type(mod).__name__
-        if (isinstance(mod, nn.Embedding) and mod.padding_idx is None and mod.max_norm is None
-                and not mod.scale_grad_by_freq):
-            layers.append(Embedding(num_embeddings=mod.num_embeddings,
-                                    embedding_dim=mod.embedding_dim))
-        elif isinstance(mod, nn.Linear) and mod.bias is not None:
-            layers.append(Linear(in_features=mod.in_features, out_features=mod.out_features))
-        elif (isinstance(mod, nn.Conv2d | nn.Conv1d) and mod.bias is not None
-              and len(set(mod.kernel_size)) == 1 and len(set(mod.stride)) == 1
-              and isinstance(mod.padding, tuple) and len(set(mod.padding)) == 1
-              and len(set(mod.dilation)) == 1 and mod.padding_mode == "zeros"):
-            cls = Conv2d if isinstance(mod, nn.Conv2d) else Conv1d
-            layers.append(cls(in_channels=mod.in_channels, out_channels=mod.out_channels,
-                              kernel=mod.kernel_size[0], stride=mod.stride[0],
-                              padding=mod.padding[0], dilation=mod.dilation[0],
-                              groups=mod.groups))
-        elif (isinstance(mod, nn.MaxPool2d | nn.MaxPool1d) and _pool_plain(mod)
-              and _one(mod.dilation) == 1 and len(set(np.atleast_1d(mod.dilation))) == 1
-              and not mod.return_indices):
-            cls = MaxPool2d if isinstance(mod, nn.MaxPool2d) else MaxPool1d
-            layers.append(cls(kernel=_one(mod.kernel_size), stride=_one(mod.stride)))
-        elif isinstance(mod, nn.ReLU):
-            layers.append(Relu())
-        elif isinstance(mod, nn.Flatten):
-            layers.append(Flatten())
-        elif (isinstance(mod, nn.AvgPool2d | nn.AvgPool1d) and _pool_plain(mod)):
-            cls = AvgPool2d if isinstance(mod, nn.AvgPool2d) else AvgPool1d
-            layers.append(cls(kernel=_one(mod.kernel_size), stride=_one(mod.stride)))
-        elif (isinstance(mod, nn.AdaptiveAvgPool2d | nn.AdaptiveAvgPool1d)
-              and set(np.atleast_1d(mod.output_size).tolist()) == {1}):
-            layers.append(GlobalAvgPool(dims=2 if isinstance(mod, nn.AdaptiveAvgPool2d) else 1))
-        elif (isinstance(mod, nn.LayerNorm) and mod.elementwise_affine
-              and mod.bias is not None):
-            layers.append(LayerNorm(normalized_shape=tuple(mod.normalized_shape),
-                                    eps=float(mod.eps)))
-        elif isinstance(mod, nn.GroupNorm) and mod.affine:
-            layers.append(GroupNorm(num_groups=mod.num_groups, num_channels=mod.num_channels,
-                                    eps=float(mod.eps)))
-        elif isinstance(mod, nn.modules.batchnorm._BatchNorm):
-            raise UnsupportedLayer(f"layer {i} ({kind}: {mod}): {BATCHNORM_REASON}")
-        elif isinstance(mod, nn.Tanh):
-            layers.append(Tanh())
-        elif isinstance(mod, nn.Sigmoid):
-            layers.append(Sigmoid())
-        elif isinstance(mod, nn.GELU):
-            layers.append(Gelu(approximate=mod.approximate))
-        elif isinstance(mod, nn.LeakyReLU):
-            layers.append(LeakyRelu(negative_slope=float(mod.negative_slope)))
-        elif isinstance(mod, nn.Hardswish):
-            layers.append(Hardswish())
-        elif isinstance(mod, nn.modules.dropout._DropoutNd):
-            raise UnsupportedLayer(f"layer {i} ({kind}: {mod}): {DROPOUT_REASON}")
-        else:
-            raise UnsupportedLayer(
-                f"layer {i} ({kind}: {mod}) cannot be exported for per-sample gradients; "
-                f"supported: {_SUPPORTED}"
-            )
+    layers = [layer_of(mod, f"layer {i}") for i, mod in enumerate(module)]
     return ModelSpec(name=name, input_shape=tuple(input_shape), num_classes=num_classes,
                      layers=tuple(layers))

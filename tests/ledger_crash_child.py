@@ -9,14 +9,19 @@ it printed is a lower bound on what the ledger must show afterwards.
 
 import sys
 
+from edge_sdk import ddp
 from edge_sdk.ledger import Budget, Ledger, Plan
 from edge_sdk.privacy import PoissonSubsampledGaussian, aggregate_event
 
-BUDGET = Budget(epsilon=1e6, delta=1e-5)
+BUDGET = Budget(epsilon=1e6, delta=1e-5, device_epsilon=1e6)
 DEVICE_ID = "crash-child"
 EVENT = PoissonSubsampledGaussian(noise_multiplier=4.0, sample_rate=0.01, steps=10)
 COHORT, THRESHOLD = 16, 11
 AGGREGATE = aggregate_event(EVENT, honest_members=COHORT - 1, linear_sum=True)
+# a device-level event (issue 16), so that the crash test covers the device unit too
+DEVICE = ddp.event(ddp.DistributedDP(clip=1.0, gamma=1 / 1024, noise="discrete_gaussian",
+                                     bits=24, sigma=300.0), COHORT - 1, 1000,
+                   adjacency="zero_out")
 
 
 def main(path: str, cycles: int) -> None:
@@ -25,7 +30,8 @@ def main(path: str, cycles: int) -> None:
         for _ in range(cycles):
             res = ledger.reserve(Plan(round_id=f"r{count + 1}", model_id="m", event=EVENT,
                                       aggregate_event=AGGREGATE, cohort_size=COHORT,
-                                      secagg_threshold=THRESHOLD))
+                                      secagg_threshold=THRESHOLD, device_event=DEVICE,
+                                      colluders=1))
             count += 1
             print(f"released {count}", flush=True)  # the upload may leave now
             ledger.commit(res)

@@ -111,8 +111,8 @@ def test_aggregator_toml_refuses_a_mechanism_it_does_not_have(enrolled) -> None:
     text = path.read_text()
     assert "[policy]" in text
     path.write_text(text.replace("[policy]", '[policy]\nmechanism = "no-such"', 1))
-    with pytest.raises(ConfigError, match=r"mechanism must be one of "
-                       r"\['binomial', 'ddg', 'device-dp', 'gaussian', 'update-noise'\].*'no-such'"):
+    with pytest.raises(ConfigError, match=r"mechanism must be one of \['binomial', 'ddg', "
+                       r"'device-dp', 'gaussian', 'update-noise'\].*'no-such'"):
         AggregatorConfig.from_toml(path)
     path.write_text(text.replace("[policy]", '[policy]\nmechanism = "gaussian"', 1))
     assert AggregatorConfig.from_toml(path).policy.mechanism == "gaussian"
@@ -137,3 +137,27 @@ def test_aggregator_toml_plans_update_noise_and_ddg(enrolled) -> None:
     with pytest.raises(ConfigError, match="mechanism 'update-noise' is dense: sparsity must "
                                           "be 1, got 0.5"):
         policy('mechanism = "update-noise"\nsparsity = 0.5')
+
+
+def test_device_toml_budget_on_the_device_unit(enrolled, tmp_path) -> None:
+    """``[budget] device_epsilon`` (issue 16) reaches the ledger at provisioning; a device
+    config without it opens that ledger only if it says the same (fixed at creation)."""
+    from edge_sdk.ledger import Budget, Ledger, LedgerError
+
+    path = enrolled.device_configs["dev-0001"]
+    text = path.read_text()
+    assert "[budget]" in text
+    path.write_text(text.replace("[budget]", "[budget]\ndevice_epsilon = 4.0", 1))
+    config = DeviceConfig.from_toml(path, ledger=tmp_path / "dev1.db")
+    assert config.device_budget_epsilon == 4.0
+    assert config.budget == Budget(epsilon=config.budget_epsilon, delta=config.budget_delta,
+                                   device_epsilon=4.0)
+    Device.provision(config)
+    with Ledger.open(config.ledger) as led:
+        assert led.budget.device_epsilon == 4.0
+    plain = DeviceConfig.from_toml(path, ledger=tmp_path / "dev1.db",
+                                   device_budget_epsilon=None)
+    with pytest.raises(LedgerError, match="differs from the stored"):
+        Ledger.open(plain.ledger, budget=plain.budget)
+    with pytest.raises(ConfigError, match="device_epsilon"):
+        DeviceConfig.from_toml(path, device_budget_epsilon=0.0)

@@ -302,6 +302,48 @@ def test_events_units_and_adjacency(model) -> None:
     assert local == PoissonSubsampledGaussian(noise_multiplier=1.1, sample_rate=8 / 40,
                                               steps=3)
     assert agg2 == agg  # the device-level view does not depend on the local noise
+    # the device unit (issue 16): zero-out of the device, D2 (half the substitution shift)
+    dev = DeviceDpDevice(plain).device_event(honest=4)
+    assert dev == DeviceDpDevice(dpsgd).device_event(honest=4)
+    assert isinstance(dev, DistributedDiscreteGaussian) and dev.adjacency == "zero_out"
+    assert (dev.devices, dev.sigma, dev.dim) == (4, agg.sigma, agg.dim)
+    assert dev.l2_sensitivity == ddp.rounded_l2_bound(1024.0, 1024, ddp.DEFAULT_BETA)
+    assert 0 < epsilon_rdp([dev], DELTA) < e_agg
+
+
+def test_other_mechanisms_state_no_device_level_event() -> None:
+    """Report nothing rather than something: only device-dp has a device-level theorem."""
+    import inspect
+
+    for name, mech in MECHANISMS.items():
+        if name == "device-dp":
+            continue
+        half = next(c for c in vars(inspect.getmodule(mech)).values()
+                    if isinstance(c, type) and c.__name__.endswith("Device")
+                    and hasattr(c, "device_event"))
+        assert half.device_event(object.__new__(half), honest=5) is None, name
+
+
+def test_device_budget_refuses_in_open_round(model) -> None:
+    """A budget set on the device unit: open_round's check-then-reserve refuses with reason
+    "budget" once the device-level figure would pass it, before anything is reserved;
+    the sample-level budget is far from reached."""
+    plan = _plan(model, _policy())
+    dev = DeviceDpDevice(DeviceDpRound.from_plan(plan, dim=model["d"])).device_event(
+        honest=4)
+    one = epsilon_rdp([dev], DELTA)
+    limit = one * (1 + 1e-9)  # one round, not two
+    assert epsilon_rdp([dev] * 2, DELTA) > limit
+    book = Book(budget=Budget(epsilon=1e6, delta=DELTA, device_epsilon=limit))
+    first = _open(model, plan, COHORT[0], book, seed=1)
+    assert isinstance(first, Prepared) and first.ledger_plan.device_event == dev
+    assert first.ledger_plan.colluders == 1
+    assert book.spent().device_epsilon == pytest.approx(one)
+    out = _open(model, _plan(model, _policy(), round_id=2), COHORT[0], book, seed=2)
+    assert isinstance(out, Declined) and out.reason == "budget", out
+    assert "device-level epsilon would reach" in out.detail
+    assert f"(budget {limit:g})" in out.detail
+    assert len(book.reservations()) == 1
 
 
 # --------------------------------------------------------------- the claim is not low
@@ -424,6 +466,7 @@ def _check_device_fleet(fleet: Any, summary: dict[str, Any]) -> None:
                                 bits=20, sigma=params.sigma)
     want_agg = ddp.event(cfg_ddp, honest, d, adjacency="substitution")
     want_local = ddp.event(cfg_ddp, 1, d, adjacency="substitution")
+    want_dev = ddp.event(cfg_ddp, honest, d, adjacency="zero_out")
     for name in fleet.names:
         res = fleet.ledgers[name].reservations()
         vanished_early = [r["round"] for r in summary["rounds"]
@@ -432,6 +475,8 @@ def _check_device_fleet(fleet: Any, summary: dict[str, Any]) -> None:
         for r in res:
             assert r.plan.aggregate_event == want_agg
             assert r.plan.event == want_local
+            assert r.plan.device_event == want_dev
+            assert r.plan.colluders == pol.max_colluders
             assert r.plan.round_id.startswith(f"{FLEET_NAME}/")
         spent = fleet.ledgers[name].spent()
         assert spent.aggregate_epsilon == pytest.approx(
@@ -439,6 +484,14 @@ def _check_device_fleet(fleet: Any, summary: dict[str, Any]) -> None:
         assert spent.local_epsilon == pytest.approx(
             epsilon_rdp([want_local] * len(res), DELTA), rel=1e-9)
         assert 0 < spent.aggregate_epsilon < spent.local_epsilon < math.inf
+        # both units: the device-level figure below the sample-level aggregate one
+        assert spent.device_epsilon == pytest.approx(
+            epsilon_rdp([want_dev] * len(res), DELTA), rel=1e-9)
+        assert 0 < spent.device_epsilon < spent.aggregate_epsilon
+        units = [(f.unit, f.view, f.epsilon) for f in fleet.ledgers[name].figures()]
+        assert units == [("sample", "local", spent.local_epsilon),
+                         ("sample", "aggregate", spent.aggregate_epsilon),
+                         ("device", "aggregate", spent.device_epsilon)]
     assert summary["epsilon_aggregate"] == pytest.approx(
         max(led.spent().aggregate_epsilon for led in fleet.ledgers.values()), rel=1e-12)
 
@@ -493,15 +546,15 @@ def test_cli_runs_device_dp_on_the_fleet_path(tmp_path) -> None:
     assert 0 < summary["epsilon_aggregate"] < summary["epsilon"]
 
 
-def test_the_fast_path_refuses_device_dp() -> None:
+def test_a_device_dp_config_needs_its_update_clip() -> None:
+    """Both paths run device-dp (the fast one since G3: tests/test_one_path.py checks they
+    give the same model and ledgers); a config without S is refused on either."""
     from tools.simconfig import SimConfig
 
-    with pytest.raises(ValueError, match="runs on the fleet path only"):
-        SimConfig(dataset="digits", model="logreg", mechanism="device-dp", update_clip=1.0,
-                  clip=1.0)
-    with pytest.raises(ValueError, match="needs update_clip"):
-        SimConfig(dataset="digits", model="logreg", mechanism="device-dp", clip=1.0,
-                  secagg=True)
+    for fleet_path in (False, True):
+        with pytest.raises(ValueError, match="needs update_clip"):
+            SimConfig(dataset="digits", model="logreg", mechanism="device-dp", clip=1.0,
+                      secagg=fleet_path)
 
 
 def test_on_the_device_csprng_both_modes(model) -> None:

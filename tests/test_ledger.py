@@ -698,6 +698,8 @@ def _run_crash_test(path: Path, *, cycles: int, kills: int, seed: int) -> dict[s
         assert spent.local_epsilon >= epsilon_rdp([child_mod.EVENT] * last, 1e-5) * (1 - 1e-12)
         agg = child_mod.AGGREGATE
         assert spent.aggregate_epsilon >= epsilon_rdp([agg] * last, 1e-5) * (1 - 1e-12)
+        assert spent.device_epsilon is not None and spent.device_epsilon >= epsilon_rdp(
+            [child_mod.DEVICE] * last, 1e-5) * (1 - 1e-12)  # the device unit too (issue 16)
         assert len(pending) <= done_kills  # at most one open reservation per kill
         released = len(reservations)
     return {"cycles": released, "kills": done_kills, "kills_in_startup": during_startup,
@@ -769,7 +771,8 @@ def test_cli_show_json(tmp_path, capsys) -> None:
     assert second["running_local_epsilon"] == pytest.approx(out["local_epsilon"])
     assert (out["local_epsilon"], out["aggregate_epsilon"], out["delta"]) == pytest.approx(
         (spent.local_epsilon, spent.aggregate_epsilon, 1e-5))
-    assert out["budget"] == {"epsilon": 3.0, "delta": 1e-5}
+    assert out["budget"] == {"epsilon": 3.0, "delta": 1e-5, "device_epsilon": None}
+    assert out["device_epsilon"] is None  # no device-level event stated (issue 16)
     assert (out["reservations"], out["pending"], out["accountant"]) == (2, 1, "rdp")
     assert out["device_id"] == "dev-1" and len(out["head"]) == 64
 
@@ -783,7 +786,8 @@ def test_cli_show_text_recomputes_from_parameters(tmp_path, capsys) -> None:
         led.reserve(_plan(2, Gaussian(noise_multiplier=0.0)))
     assert _cli("show", "--path", str(path)) == 0
     text = capsys.readouterr().out
-    assert "budget eps=1000 at delta=1e-05" in text
+    assert ("budget eps=1000 (sample-level, local) and device-level eps=none (aggregate) at "
+            "delta=1e-05") in text
     assert "PoissonSubsampledGaussian(noise_multiplier=1.0" in text
     assert "spent: local eps=inf" in text and "secure-aggregation threshold" in text
     assert _cli("show", "--path", str(path), "--json", "--accountant", "pld") == 0

@@ -162,16 +162,34 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="export the model zoo to ONNX (needs the [export] extra)")
+    p = sub.add_parser("export", help="export the model zoo, or your own torch module, to ONNX "
+                                      "(needs the [export] extra)")
     p.add_argument("--out", help="output directory (default: models/onnx)")
     p.add_argument("--only", help="export only variants whose name contains this")
+    p.add_argument("--module", help="pkg.mod:factory, a function returning your torch module "
+                                    "(traced with torch.fx) instead of the zoo")
+    p.add_argument("--input-shape", help="with --module: one sample's shape, e.g. 1,28,28")
+    p.add_argument("--num-classes", type=int,
+                   help="with --module: the number of labels (default: the output's width)")
+    p.add_argument("--name", help="with --module: the exported files' model name")
 
 
 def _export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from models.export import ONNX_DIR, export_all
+    from models.export import ONNX_DIR, export_all, export_module
 
+    out = Path(args.out) if args.out else ONNX_DIR
+    if args.module:
+        if not args.input_shape:
+            raise ValueError("--module needs --input-shape (one sample's shape, e.g. 1,28,28)")
+        try:
+            shape = [int(v) for v in args.input_shape.split(",")]
+        except ValueError as exc:
+            raise ValueError(f"--input-shape {args.input_shape!r}: expected comma-separated "
+                             "ints, e.g. 1,28,28") from exc
+        print(export_module(args.module, shape, args.num_classes, out, args.name))
+        return 0
     for path in export_all(Path(args.out) if args.out else ONNX_DIR, args.only):
         print(path)
     return 0

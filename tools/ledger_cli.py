@@ -7,10 +7,21 @@ against the budget line (:func:`tools.plots.plot_ledger`). ``--json`` prints one
     {"entries": [{"seq", "kind", "reservation", "round_id", "model_id", "time", "event",
                   "aggregate_event", "cohort_size", "secagg_threshold", "prev_hash", "hash",
                   "running_local_epsilon", "running_aggregate_epsilon"}, ...],
-     "local_epsilon": float, "aggregate_epsilon": float, "delta": float,
-     "adjacency": "zero_out",
-     "accountant": "rdp" | "pld", "budget": {"epsilon": float, "delta": float},
-     "device_id": str, "head": str, "reservations": int, "pending": int}
+     "local_epsilon": float, "aggregate_epsilon": float, "device_epsilon": float | null,
+     "delta": float, "adjacency": "zero_out",
+     "figures": [{"unit": "sample" | "device", "view": "local" | "aggregate",
+                  "epsilon": float | null, "delta", "adjacency",
+                  "assumptions": {"min_survivors", "secagg_threshold", "colluders",
+                                  "semi_honest_aggregator"}}, ...],
+     "accountant": "rdp" | "pld",
+     "budget": {"epsilon": float, "delta": float, "device_epsilon": float | null},
+     "device_id": str, "head": str, "reservations": int, "pending": int, "version": int}
+
+Two units (issue 16): the sample-level figures (local and aggregate: the record is one
+sample) and the device-level aggregate figure (the record is the device, its whole data
+set), each printed with its adjacency and assumptions. The device-level figure is null
+(``none`` in text: no theorem) as soon as one reservation has no device-level event: only
+device-dp states one.
 
 An infinite epsilon (a release without noise) is ``null``. Every reservation counts,
 committed or not. Both figures are stated under zero-out adjacency; the aggregate figures
@@ -32,6 +43,7 @@ import time
 
 from edge_sdk.ledger import (
     Entry,
+    Figure,
     Ledger,
     LedgerCorrupted,
     LedgerError,
@@ -116,10 +128,39 @@ def _running(ledger: Ledger, entries: tuple[Entry, ...]) -> list[tuple[float, fl
     return out
 
 
+def _opt(v: float | None) -> float | None:
+    return None if v is None else _finite(v)
+
+
+def _figure_json(f: Figure) -> dict[str, object]:
+    a = f.assumptions
+    return {"unit": f.unit, "view": f.view, "epsilon": _opt(f.epsilon), "delta": f.delta,
+            "adjacency": f.adjacency,
+            "assumptions": {"min_survivors": a.min_survivors,
+                            "secagg_threshold": a.secagg_threshold, "colluders": a.colluders,
+                            "semi_honest_aggregator": a.semi_honest_aggregator}}
+
+
+def _figure_line(f: Figure) -> str:
+    """One figure with its unit, view, adjacency and assumptions, for the text output."""
+    eps = "none (no device-level theorem for some release)" if f.epsilon is None else _eps(
+        f.epsilon)
+    a = f.assumptions
+    if f.view == "local":
+        rests = "no trust needed"
+    else:
+        rests = (f"secure aggregation threshold t>={a.secagg_threshold}, sums of >="
+                 f"{a.min_survivors} survivors, <={'?' if a.colluders is None else a.colluders}"
+                 f" colluders tolerated, semi-honest aggregator")
+    return (f"  {f.unit}-level {f.view:<9} eps={eps} at delta={f.delta:g}; {f.adjacency} of "
+            f"one {f.unit}; {rests}")
+
+
 def _show(ledger: Ledger, as_json: bool, accountant: str, plot: str | None = None) -> None:
     entries = ledger.entries()
     running = _running(ledger, entries)
     spent = ledger.spent()
+    figures = ledger.figures()
     if plot:
         # lazily: matplotlib is a tools extra, never needed to read a ledger on a device
         from tools.plots import ledger_series, plot_ledger
@@ -138,10 +179,14 @@ def _show(ledger: Ledger, as_json: bool, accountant: str, plot: str | None = Non
             "entries": rows,
             "local_epsilon": _finite(spent.local_epsilon),
             "aggregate_epsilon": _finite(spent.aggregate_epsilon),
+            "device_epsilon": _opt(spent.device_epsilon),
             "delta": spent.delta,
             "adjacency": spent.adjacency,
+            "figures": [_figure_json(f) for f in figures],
             "accountant": accountant,
-            "budget": {"epsilon": ledger.budget.epsilon, "delta": ledger.budget.delta},
+            "budget": {"epsilon": ledger.budget.epsilon, "delta": ledger.budget.delta,
+                       "device_epsilon": ledger.budget.device_epsilon},
+            "version": ledger.version,
             "device_id": ledger.device_id,
             "head": ledger.head(),
             "reservations": spent.entries,
@@ -149,7 +194,9 @@ def _show(ledger: Ledger, as_json: bool, accountant: str, plot: str | None = Non
         }, allow_nan=False))
         return
     b = ledger.budget
-    print(f"ledger {ledger.path}: device {ledger.device_id}, budget eps={b.epsilon:g} at "
+    device_budget = ("none" if b.device_epsilon is None else f"{b.device_epsilon:g}")
+    print(f"ledger {ledger.path}: device {ledger.device_id}, budget eps={b.epsilon:g} "
+          f"(sample-level, local) and device-level eps={device_budget} (aggregate) at "
           f"delta={b.delta:g}, accountant {accountant}")
     print(f"{'seq':>6}  {'time (UTC)':<19}  {'kind':<7}  {'round':<10} {'model':<10} "
           f"{'r':>4} {'t':>4}  {'local eps':>9} {'aggr. eps':>9}  event")
@@ -166,3 +213,6 @@ def _show(ledger: Ledger, as_json: bool, accountant: str, plot: str | None = Non
           f"delta={spent.delta:g}, {spent.adjacency} adjacency; {spent.entries} reservations, "
           f"{len(ledger.pending())} pending, all counted; {_eps(ledger.remaining())} of the "
           "budget left")
+    print("by unit (every reservation counted):")
+    for f in figures:
+        print(_figure_line(f))

@@ -32,12 +32,15 @@ arguments raise ``ValueError`` naming the value and the expectation.
 """
 
 from edge_sdk.ledger.accounting import (
+    UNITS,
+    Assumptions,
     Book,
     Budget,
     BudgetExhausted,
     Entry,
     EpsilonCache,
     EpsilonOf,
+    Figure,
     LedgerCorrupted,
     LedgerError,
     Plan,
@@ -53,12 +56,15 @@ from edge_sdk.ledger.accounting import (
 from edge_sdk.ledger.store import Ledger
 
 __all__ = [
+    "UNITS",
+    "Assumptions",
     "Book",
     "Budget",
     "BudgetExhausted",
     "Entry",
     "EpsilonCache",
     "EpsilonOf",
+    "Figure",
     "Ledger",
     "LedgerCorrupted",
     "LedgerError",

@@ -30,6 +30,20 @@ mechanisms that ignore the null record unchanged), or the ledger refuses it.
 
 Composition commutes, so an accountant's answer depends on the events only through their
 multiset; :class:`EpsilonCache` reuses answers per distinct multiset (plan15 R7).
+
+Two units (issue 16). The figures above are SAMPLE-level: the record is one sample of the
+device's data. A reservation may also carry a DEVICE-level event (``Plan.device_event``,
+the record is the device: its whole data set replaced by a null one, its noise share still
+in the sum), stated by the mechanisms that have a theorem for it (device-dp: KLS 2021
+Thm 1 at D2 over the honest shares) and None by the others. The device-level aggregate
+figure composes every reservation's device event; over a history where any reservation
+has none it is None (no theorem covers those rounds), never a partial sum.
+:meth:`Book.figures` gives the three figures (sample-level local, sample-level aggregate,
+device-level aggregate) each with its unit, adjacency and assumptions as data
+(:class:`Figure`, :class:`Assumptions`). The budget can be set on either unit
+(:class:`Budget` ``epsilon``: sample-level local; ``device_epsilon``: device-level
+aggregate); a plan is refused if it would take either set one over (a device budget and a
+plan without a device-level event: refused, the figure would be None).
 """
 
 from __future__ import annotations
@@ -63,6 +77,8 @@ from edge_sdk.privacy import (
 
 __all__ = [
     "ADJACENCY",
+    "UNITS",
+    "Assumptions",
     "Book",
     "Budget",
     "BudgetExhausted",
@@ -70,6 +86,7 @@ __all__ = [
     "EntryKind",
     "EpsilonCache",
     "EpsilonOf",
+    "Figure",
     "LedgerCorrupted",
     "LedgerError",
     "Plan",
@@ -93,6 +110,8 @@ EpsilonOf: TypeAlias = Callable[[Sequence[Event], float], float]
 
 #: The adjacency every figure of the ledger is stated under (see the module docstring).
 ADJACENCY = "zero_out"
+#: The record each unit's neighbouring relation replaces (by a null one: zero-out).
+UNITS = ("sample", "device")
 # Entries written before events carried their adjacency: the relation each type was stated
 # under then (shuffle rounds' Gaussian(z/2) was charged as substitution).
 _LEGACY_ADJACENCY = {"Gaussian": "substitution", "PoissonSubsampledGaussian": "add_remove",
@@ -149,18 +168,27 @@ class Budget:
     """The owner's budget: (epsilon, delta)-DP over the device's whole life, local view.
 
     Attributes:
-        epsilon: the most epsilon (nats) the device may ever spend, at ``delta``; > 0, finite.
+        epsilon: the most SAMPLE-level local epsilon (nats) the device may ever spend, at
+            ``delta``; > 0, finite.
         delta: the delta the budget is stated at, in (0, 1).
+        device_epsilon: the most DEVICE-level aggregate epsilon (nats, at ``delta``) the
+            device may ever spend, or None (the default) for no device-level limit; > 0,
+            finite. When set, a plan without a device-level event is refused.
     """
 
     epsilon: float
     delta: float
+    device_epsilon: float | None = None
 
     def __post_init__(self) -> None:
         e = self.epsilon
         if not (_is_real(e) and math.isfinite(e) and e > 0):
             raise ValueError(f"budget epsilon must be a finite number > 0, got {e!r}")
         _check_delta(self.delta)
+        d = self.device_epsilon
+        if d is not None and not (_is_real(d) and math.isfinite(d) and d > 0):
+            raise ValueError(f"budget device_epsilon must be None or a finite number > 0, "
+                             f"got {d!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -181,6 +209,13 @@ class Plan:
         secagg_threshold: t of the secure aggregation the upload goes through (fewer than t
             colluders learn nothing but the sum), or None for no secure aggregation; then
             ``aggregate_event`` must be the local event. At most ``cohort_size``.
+        device_event: the DEVICE-level event against whoever sees only the secure sum (the
+            record is the device; zero-out: its data replaced by a null data set, its noise
+            share still in the sum), or None (the default): the mechanism has no theorem
+            for one. Stored as given.
+        colluders: the members the aggregate events assume may collude with the aggregator
+            (max of the plan's and the device's assumption), for the record; None: not
+            recorded (entries that predate it). In [0, cohort_size).
     """
 
     round_id: str
@@ -189,6 +224,8 @@ class Plan:
     aggregate_event: Event | None = None
     cohort_size: int = 1
     secagg_threshold: int | None = None
+    device_event: Event | None = None
+    colluders: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("round_id", "model_id"):
@@ -204,6 +241,10 @@ class Plan:
         elif not isinstance(self.aggregate_event, tuple(_EVENT_TYPES.values())):
             raise ValueError(f"aggregate_event must be one of {', '.join(_EVENT_TYPES)}, got "
                              f"{type(self.aggregate_event).__name__}")
+        if self.device_event is not None and not isinstance(self.device_event,
+                                                              tuple(_EVENT_TYPES.values())):
+            raise ValueError(f"device_event must be None or one of {', '.join(_EVENT_TYPES)}, "
+                             f"got {type(self.device_event).__name__}")
         r, t = self.cohort_size, self.secagg_threshold
         if t is None and self.aggregate_event != self.event:
             raise ValueError("without secure aggregation (secagg_threshold=None) the aggregate "
@@ -214,6 +255,10 @@ class Plan:
             raise ValueError(
                 f"secagg_threshold must be None or an integer in [1, cohort_size={r}], got {t!r}"
             )
+        c = self.colluders
+        if c is not None and not (_is_int(c) and 0 <= c < r):
+            raise ValueError(f"colluders must be None or an integer in [0, cohort_size={r}), "
+                             f"got {c!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -247,6 +292,9 @@ class Spent:
         delta: the delta both are stated at.
         entries: how many reservations (releases) the figures count.
         adjacency: the neighbouring relation both are stated under (zero-out).
+        device_epsilon: DEVICE-level aggregate epsilon (nats) at ``delta`` (zero-out of the
+            device's whole data set, same assumptions as ``aggregate_epsilon``), or None
+            when a reservation has no device-level event (no theorem); 0 with none.
     """
 
     local_epsilon: float
@@ -254,6 +302,51 @@ class Spent:
     delta: float
     entries: int
     adjacency: str = ADJACENCY
+    device_epsilon: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Assumptions:
+    """What an aggregate figure rests on, over every reservation it counts (the weakest).
+
+    Attributes:
+        min_survivors: the fewest members whose uploads a sum contained (min over the
+            reservations' ``cohort_size``), or None for the local view.
+        secagg_threshold: the smallest t of the secure aggregations, or None (local view,
+            or some release had no secure aggregation).
+        colluders: the most members assumed to collude with the aggregator, or None
+            (local view, or not recorded for some reservation).
+        semi_honest_aggregator: whether the figure assumes the aggregator follows the
+            protocol (unmasks no fewer than min_survivors).
+    """
+
+    min_survivors: int | None
+    secagg_threshold: int | None
+    colluders: int | None
+    semi_honest_aggregator: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Figure:
+    """One epsilon of the ledger with what it means.
+
+    Attributes:
+        unit: ``"sample"`` or ``"device"`` (:data:`UNITS`): the record of the relation.
+        view: ``"local"`` (against anyone who sees the uploads) or ``"aggregate"``
+            (against whoever sees only the secure sums).
+        epsilon: nats at ``delta``; None when no theorem gives one (a device-level figure
+            over a reservation without a device-level event).
+        delta: the delta it is stated at.
+        adjacency: the neighbouring relation (zero-out of one record of ``unit``).
+        assumptions: what it rests on (:class:`Assumptions`).
+    """
+
+    unit: str
+    view: str
+    epsilon: float | None
+    delta: float
+    adjacency: str
+    assumptions: Assumptions
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -275,6 +368,10 @@ class Entry:
         secagg_threshold: t, or None without secure aggregation (reserve only).
         prev_hash: the previous entry's hash (hex); the metadata's hash for entry 1.
         hash: sha256(prev_hash || canonical row), hex.
+        device_event: the device-level event (reserve only; None: none stated, or an entry
+            that predates device-level events).
+        colluders: the colluders the aggregate events assume (reserve only; None: not
+            recorded).
     """
 
     seq: int
@@ -289,6 +386,8 @@ class Entry:
     secagg_threshold: int | None
     prev_hash: str
     hash: str
+    device_event: Event | None = None
+    colluders: int | None = None
 
 
 # --------------------------------------------------------------------- event encoding
@@ -476,6 +575,10 @@ def _checked_epsilon(value: object, who: str) -> float:
     return float(value)  # type: ignore[arg-type]
 
 
+def _fmt(eps: float | None) -> str:
+    return "None" if eps is None else f"{eps:.6g}"
+
+
 def _name(fn: object) -> str:
     return getattr(fn, "__qualname__", repr(fn))
 
@@ -500,6 +603,8 @@ def entry_to_json(entry: Entry) -> dict[str, Any]:
     out["event"] = None if entry.event is None else event_to_json(entry.event)
     out["aggregate_event"] = (None if entry.aggregate_event is None
                               else event_to_json(entry.aggregate_event))
+    out["device_event"] = (None if entry.device_event is None
+                           else event_to_json(entry.device_event))
     return out
 
 
@@ -596,8 +701,8 @@ class Book:
             :class:`EpsilonCache`. Share one between books to reuse answers across them.
     """
 
-    __slots__ = ("_aggregate", "_cache", "_closed", "_count", "_local", "_reservations",
-                 "accountant", "budget", "delta")
+    __slots__ = ("_aggregate", "_cache", "_closed", "_count", "_device", "_local",
+                 "_no_device", "_reservations", "accountant", "budget", "delta")
 
     def __init__(self, *, budget: Budget | None, delta: float | None = None,
                  accountant: EpsilonOf = epsilon_rdp, cache: EpsilonCache | None = None) -> None:
@@ -623,8 +728,29 @@ class Book:
         # appearance: the cache key, kept as entries come so a check costs O(distinct)
         self._local: Counter[Event] = Counter()
         self._aggregate: Counter[Event] = Counter()
+        self._device: Counter[Event] = Counter()  # the device-level events present
+        self._no_device = 0  # reservations without one: the device figure is then None
 
     # ------------------------------------------------------------------------ epsilon
+
+    def _device_epsilon(self, delta: float, extra: Plan | None = None) -> float | None:
+        """Device-level aggregate epsilon (nats) at ``delta`` (after ``extra``), or None
+        when some reservation (or ``extra``) has no device-level event."""
+        if self._no_device or (extra is not None and extra.device_event is None):
+            return None
+        counts = self._device
+        if extra is not None:
+            counts = counts.copy()
+            counts[extra.device_event] += 1
+        if not counts:
+            return 0.0
+
+        def events() -> list[Event]:
+            out = [r.plan.device_event for r in self._reservations.values()]
+            return [e for e in (out if extra is None else [*out, extra.device_event])
+                    if e is not None]
+
+        return self._cache.epsilon(self.accountant, counts, delta, events)
 
     def _epsilon(self, view: Literal["local", "aggregate"], delta: float,
                  extra: Event | None = None) -> float:
@@ -649,15 +775,33 @@ class Book:
             raise ValueError(f"plan must be a Plan, got {plan!r}")
         return self._epsilon("local", self.delta, plan.event)
 
+    def device_epsilon_if(self, plan: Plan) -> float | None:
+        """Device-level aggregate epsilon (nats) at :attr:`delta` after ``plan``, on top of
+        every reservation so far, or None (a reservation or the plan has no device-level
+        event). Changes nothing."""
+        if not isinstance(plan, Plan):
+            raise ValueError(f"plan must be a Plan, got {plan!r}")
+        return self._device_epsilon(self.delta, plan)
+
+    def _over_device(self, plan: Plan) -> bool:
+        """Whether ``plan`` would take the device-level figure over a set device budget
+        (None, no theorem, counts as over)."""
+        limit = None if self.budget is None else self.budget.device_epsilon
+        if limit is None:
+            return False
+        after = self._device_epsilon(self.delta, plan)
+        return after is None or not after <= limit
+
     def would_exceed(self, plan: Plan) -> bool:
-        """Whether reserving ``plan`` would take local epsilon over the budget (an answer
-        above the budget, or inf, is True). Changes nothing. Without a budget: False, and
-        the accountant is not asked."""
+        """Whether reserving ``plan`` would take local epsilon over the budget, or the
+        device-level epsilon over the device budget when one is set (an answer above the
+        budget, inf, or a device-level None is True). Changes nothing. Without a budget:
+        False, and the accountant is not asked."""
         if not isinstance(plan, Plan):
             raise ValueError(f"plan must be a Plan, got {plan!r}")
         if self.budget is None:
             return False
-        return not self.epsilon_if(plan) <= self.budget.epsilon
+        return not self.epsilon_if(plan) <= self.budget.epsilon or self._over_device(plan)
 
     def check(self, plan: Plan) -> None:
         """Refuse ``plan`` if it would take local epsilon over the budget (NaN-free answers
@@ -677,6 +821,13 @@ class Book:
         delta, limit = self.delta, self.budget.epsilon
         after = self._epsilon("local", delta, plan.event)
         if after <= limit:
+            if self._over_device(plan):
+                now, then = self._device_epsilon(delta), self._device_epsilon(delta, plan)
+                raise BudgetExhausted(
+                    f"round {plan.round_id!r} refused: device-level eps spent "
+                    f"{_fmt(now)}, after this plan {_fmt(then)} > device budget eps="
+                    f"{self.budget.device_epsilon:g} (device-level aggregate, at "
+                    f"delta={delta:g}; None: a release with no device-level theorem)")
             return
         spent = self._epsilon("local", delta)
         alone = self._cache.epsilon(self.accountant, Counter([plan.event]), delta,
@@ -701,6 +852,10 @@ class Book:
         self._reservations[reservation.seq] = reservation
         self._local[plan.event] += 1
         self._aggregate[plan.aggregate_event] += 1
+        if plan.device_event is None:
+            self._no_device += 1
+        else:
+            self._device[plan.device_event] += 1
         self._count += 1
         return reservation
 
@@ -733,6 +888,10 @@ class Book:
             "cohort_size": int(plan.cohort_size),
             "secagg_threshold": (None if plan.secagg_threshold is None
                                  else int(plan.secagg_threshold)),
+            **({} if plan.device_event is None and plan.colluders is None else {
+                "device": (None if plan.device_event is None
+                           else event_to_json(plan.device_event)),
+                "colluders": plan.colluders}),
         })).hexdigest()
         return self.add(Reservation(seq=seq, plan=plan, hash=digest))
 
@@ -774,10 +933,40 @@ class Book:
         reservation counted whether committed, aborted or neither: never an under-count."""
         delta = self.delta if delta is None else _check_delta(delta)
         if not self._reservations:
-            return Spent(local_epsilon=0.0, aggregate_epsilon=0.0, delta=delta, entries=0)
+            return Spent(local_epsilon=0.0, aggregate_epsilon=0.0, delta=delta, entries=0,
+                         device_epsilon=0.0)
         return Spent(local_epsilon=self._epsilon("local", delta),
                      aggregate_epsilon=self._epsilon("aggregate", delta),
-                     delta=delta, entries=len(self._reservations))
+                     delta=delta, entries=len(self._reservations),
+                     device_epsilon=self._device_epsilon(delta))
+
+    def assumptions(self) -> Assumptions:
+        """What the aggregate figures rest on, the weakest over every reservation."""
+        plans = [r.plan for r in self._reservations.values()]
+        thresholds = [p.secagg_threshold for p in plans]
+        colluders = [p.colluders for p in plans]
+        return Assumptions(
+            min_survivors=min((p.cohort_size for p in plans), default=None),
+            secagg_threshold=(None if not plans or None in thresholds
+                              else min(t for t in thresholds if t is not None)),
+            colluders=(None if not plans or None in colluders
+                       else max(c for c in colluders if c is not None)),
+            semi_honest_aggregator=True)
+
+    def figures(self, delta: float | None = None) -> tuple[Figure, Figure, Figure]:
+        """(sample-level local, sample-level aggregate, device-level aggregate) at
+        ``delta`` (default :attr:`delta`), every reservation counted, each with its unit,
+        adjacency (zero-out of one record of the unit) and assumptions."""
+        s = self.spent(delta)
+        agg = self.assumptions()
+        local = Assumptions(min_survivors=None, secagg_threshold=None, colluders=None,
+                            semi_honest_aggregator=False)
+        return (Figure(unit="sample", view="local", epsilon=s.local_epsilon, delta=s.delta,
+                       adjacency=ADJACENCY, assumptions=local),
+                Figure(unit="sample", view="aggregate", epsilon=s.aggregate_epsilon,
+                       delta=s.delta, adjacency=ADJACENCY, assumptions=agg),
+                Figure(unit="device", view="aggregate", epsilon=s.device_epsilon,
+                       delta=s.delta, adjacency=ADJACENCY, assumptions=agg))
 
     def remaining(self) -> float:
         """Local epsilon (nats) left in the budget at its delta (>= 0); inf without one."""

@@ -68,6 +68,7 @@ from edge_sdk.ledger.accounting import (
     EntryKind,
     EpsilonCache,
     EpsilonOf,
+    Figure,
     LedgerCorrupted,
     LedgerError,
     Plan,
@@ -85,10 +86,17 @@ from edge_sdk.ledger.accounting import (
 from edge_sdk.ledger.audit import check_file, check_header
 from edge_sdk.privacy import Event
 
-__all__ = ["APPLICATION_ID", "FORMAT", "SCHEMA_VERSION", "Ledger"]
+__all__ = ["APPLICATION_ID", "FORMAT", "SCHEMA_VERSION", "VERSIONS", "Ledger"]
 
 FORMAT = "fedge-ledger"
-SCHEMA_VERSION = 1
+# 2 (issue 16): the metadata's budget holds ``device_epsilon`` (null: no device-level
+# limit); reserve entries may hold a device-level event and the colluders assumed. The
+# tables are the same. Version 1 ledgers read as a budget without a device-level limit,
+# their entries without device-level events (the figure is then None, never a partial
+# sum); new entries appended to them may carry device-level events. A build that knows
+# only version 1 refuses a version 2 file (fail closed: it would ignore the device budget).
+SCHEMA_VERSION = 2
+VERSIONS = (1, 2)
 APPLICATION_ID = int.from_bytes(b"fLdg", "big")  # sqlite header bytes 68-71
 _BUSY_TIMEOUT_S = 10.0
 _COLUMNS = ("seq", "kind", "reservation", "round_id", "model_id", "time", "event",
@@ -98,29 +106,50 @@ _COLUMNS = ("seq", "kind", "reservation", "round_id", "model_id", "time", "event
 # ------------------------------------------------------------------ the event column
 
 
+_Release = tuple[Event, Event, Event | None, int | None]  # local, aggregate, device, colluders
+
+
+def _release_json(local: Event, agg: Event, device: Event | None,
+                  colluders: int | None) -> dict[str, Any]:
+    """The event column's object: the two sample-level views, and, when either is stated,
+    the device-level event (or null) and the colluders assumed (or null)."""
+    out: dict[str, Any] = {"aggregate": event_to_json(agg), "local": event_to_json(local)}
+    if device is not None or colluders is not None:
+        out["device"] = None if device is None else event_to_json(device)
+        out["colluders"] = colluders
+    return out
+
+
 def _release_to_text(plan: Plan) -> str:
-    """The event column of a reserve entry: both views, canonical JSON."""
+    """The event column of a reserve entry, canonical JSON (:func:`_release_json`)."""
     assert plan.aggregate_event is not None
-    return _canonical({"aggregate": event_to_json(plan.aggregate_event),
-                       "local": event_to_json(plan.event)}).decode()
+    return _canonical(_release_json(plan.event, plan.aggregate_event, plan.device_event,
+                                    plan.colluders)).decode()
 
 
-def _release_from_text(text: str) -> tuple[Event, Event]:
-    """(local, aggregate) from an event column. A lone legacy event (no aggregate stored)
-    is its own aggregate event: conservative. Checks the text is canonical."""
+def _release_from_text(text: str) -> _Release:
+    """(local, aggregate, device, colluders) from an event column. A lone legacy event (no
+    aggregate stored) is its own aggregate event: conservative. Entries without a device
+    event or colluders read them as None. Checks the text is canonical."""
     data = json.loads(text)
     if isinstance(data, dict) and "type" in data:
         local = event_from_json(data, legacy=True)
         if _canonical(_legacy_json(local)).decode() != text:
             raise ValueError("the event is not in canonical form")
-        return local, local
-    if not isinstance(data, dict) or set(data) != {"aggregate", "local"}:
-        raise ValueError(f"a release needs exactly 'local' and 'aggregate' events, got {data!r}")
+        return local, local, None, None
+    if not isinstance(data, dict) or set(data) not in (
+            {"aggregate", "local"}, {"aggregate", "local", "device", "colluders"}):
+        raise ValueError("a release needs exactly 'local' and 'aggregate' events (and "
+                         f"optionally 'device' and 'colluders'), got {data!r}")
     local, agg = event_from_json(data["local"]), event_from_json(data["aggregate"])
-    if _canonical({"aggregate": event_to_json(agg), "local": event_to_json(local)}
-                  ).decode() != text:
+    device = data.get("device")
+    device = None if device is None else event_from_json(device)
+    colluders = data.get("colluders")
+    if colluders is not None and not _is_int(colluders):
+        raise ValueError(f"colluders must be null or an integer, got {colluders!r}")
+    if _canonical(_release_json(local, agg, device, colluders)).decode() != text:
         raise ValueError("the event is not in canonical form")
-    return local, agg
+    return local, agg, device, colluders
 
 
 # --------------------------------------------------------------------------- storage
@@ -213,10 +242,11 @@ class Ledger:
     """
 
     __slots__ = ("_accountant", "_book", "_cache", "_clock", "_conn", "_entries", "_events",
-                 "_genesis", "_read_only", "budget", "device_id", "path")
+                 "_genesis", "_read_only", "budget", "device_id", "path", "version")
 
     def __init__(self, *, conn: sqlite3.Connection, path: Path, budget: Budget, device_id: str,
-                 genesis: str, accountant: EpsilonOf, clock: Callable[[], float]) -> None:
+                 genesis: str, accountant: EpsilonOf, clock: Callable[[], float],
+                 version: int = SCHEMA_VERSION) -> None:
         """Use :meth:`open`."""
         if not isinstance(budget, Budget):  # never the Book's "no limit" on a device
             raise ValueError(f"a device ledger needs a finite Budget, got {budget!r}")
@@ -224,14 +254,15 @@ class Ledger:
         self.path = path
         self.budget = budget
         self.device_id = device_id
+        self.version = version  # the file's schema version (VERSIONS)
         self._genesis = genesis
         self._accountant = accountant
         self._clock = clock
         self._entries: list[Entry] = []
         self._cache = EpsilonCache()  # outlives reloads: answers depend only on the events
         self._book = self._new_book()
-        # canonical JSON -> (local, aggregate) events (a device repeats few)
-        self._events: dict[str, tuple[Event, Event]] = {}
+        # canonical JSON -> (local, aggregate, device, colluders) (a device repeats few)
+        self._events: dict[str, _Release] = {}
         self._read_only: str | None = None  # why nothing can be written (see open)
 
     def _new_book(self) -> Book:
@@ -328,9 +359,10 @@ class Ledger:
                     conn.execute("PRAGMA synchronous=FULL")
                 _check_schema(conn, path)
                 meta = _read_meta(conn, path)
-            stored = Budget(epsilon=meta["budget"]["epsilon"], delta=meta["budget"]["delta"])
+            stored = _meta_budget(meta)
             ledger = cls(conn=conn, path=path, budget=stored, device_id=meta["device_id"],
-                         genesis=meta["hash"], accountant=accountant, clock=clock)
+                         genesis=meta["hash"], accountant=accountant, clock=clock,
+                         version=meta["version"])
             ledger._read_only = read_only
             ledger.verify()
         except BaseException:
@@ -383,14 +415,14 @@ class Ledger:
                 meta = _read_meta(conn, self.path)
                 roots = _check_schema(conn, self.path, meta["roots"])
                 for pragma, want in (("application_id", APPLICATION_ID),
-                                     ("user_version", SCHEMA_VERSION),
+                                     ("user_version", meta["version"]),
                                      ("schema_version", meta["schema_cookie"])):
                     got = conn.execute(f"PRAGMA {pragma}").fetchone()[0]
                     if got != want:
                         raise LedgerCorrupted(f"{self.path}: {pragma} is {got}, expected {want}")
                 if _wal_is_empty(self.path):  # our snapshot is the main file; it cannot move
                     check_file(self.path, roots=roots, cookie=meta["schema_cookie"],
-                               user_version=SCHEMA_VERSION, application_id=APPLICATION_ID)
+                               user_version=meta["version"], application_id=APPLICATION_ID)
                 rows = conn.execute(f"SELECT {', '.join(_COLUMNS)} FROM entries ORDER BY seq")
                 rows = rows.fetchall()
             finally:
@@ -410,7 +442,8 @@ class Ledger:
                 plan = Plan(round_id=entry.round_id, model_id=entry.model_id, event=entry.event,
                             aggregate_event=entry.aggregate_event,
                             cohort_size=entry.cohort_size,
-                            secagg_threshold=entry.secagg_threshold)
+                            secagg_threshold=entry.secagg_threshold,
+                            device_event=entry.device_event, colluders=entry.colluders)
                 self._book.add(Reservation(seq=entry.seq, plan=plan, hash=entry.hash))
             else:
                 assert entry.reservation is not None and entry.kind != "reserve"
@@ -434,16 +467,17 @@ class Ledger:
         if _row_hash(prev, row) != row["hash"]:
             raise LedgerCorrupted(f"{where}: hash chain broken (the entry was altered)")
         try:
-            event = agg = None
+            event = agg = device = colluders = None
             if row["kind"] == "reserve":
-                pair = self._events.get(row["event"])
-                if pair is None:
-                    pair = _release_from_text(row["event"])
-                    self._events[row["event"]] = pair
-                event, agg = pair
+                release = self._events.get(row["event"])
+                if release is None:
+                    release = _release_from_text(row["event"])
+                    self._events[row["event"]] = release
+                event, agg, device, colluders = release
                 Plan(round_id=row["round_id"], model_id=row["model_id"], event=event,
                      aggregate_event=agg,
-                     cohort_size=row["cohort_size"], secagg_threshold=row["secagg_threshold"])
+                     cohort_size=row["cohort_size"], secagg_threshold=row["secagg_threshold"],
+                     device_event=device, colluders=colluders)
             elif row["kind"] in ("commit", "abort"):
                 ref = self._book.reservation(row["reservation"])
                 if ref is None:
@@ -461,6 +495,8 @@ class Ledger:
         fields = {k: row[k] for k in _COLUMNS}
         fields["event"] = event
         fields["aggregate_event"] = agg
+        fields["device_event"] = device
+        fields["colluders"] = colluders
         return Entry(**fields)
 
     def _refresh(self) -> None:
@@ -507,9 +543,25 @@ class Ledger:
         self._refresh()
         return self._book.epsilon_if(plan)
 
+    def device_epsilon_if(self, plan: Plan) -> float | None:
+        """Device-level aggregate epsilon (nats) at the budget's delta after ``plan``, or
+        None (a reservation or the plan has no device-level event). Writes nothing."""
+        if not isinstance(plan, Plan):
+            raise ValueError(f"plan must be a Plan, got {plan!r}")
+        self._refresh()
+        return self._book.device_epsilon_if(plan)
+
+    def figures(self, delta: float | None = None) -> tuple[Figure, Figure, Figure]:
+        """The three figures with their units, adjacency and assumptions
+        (:meth:`~edge_sdk.ledger.accounting.Book.figures`), every reservation counted."""
+        delta = self.budget.delta if delta is None else _check_delta(delta)
+        self._refresh()
+        return self._book.figures(delta)
+
     def would_exceed(self, plan: Plan) -> bool:
-        """Whether reserving ``plan`` would take local epsilon over the budget. Pure: writes
-        nothing (a NaN-free accountant answer above the budget, or inf, is True)."""
+        """Whether reserving ``plan`` would take local epsilon over the budget, or the
+        device-level epsilon over a set device budget. Pure: writes nothing (a NaN-free
+        accountant answer above the budget, inf, or a device-level None is True)."""
         if not isinstance(plan, Plan):
             raise ValueError(f"plan must be a Plan, got {plan!r}")
         self._refresh()
@@ -692,7 +744,12 @@ class Ledger:
 
 def _create(conn: sqlite3.Connection, budget: Budget, device_id: str,
             clock: Callable[[], float]) -> None:
-    """Schema and metadata in one transaction: a crash leaves no ledger or a whole one."""
+    """Schema and metadata in one transaction: a crash leaves no ledger or a whole one.
+    Writes the module's :data:`SCHEMA_VERSION` (read at call time: the tests write a
+    version 1 file, as the code before issue 16 did, by setting it to 1)."""
+    version = SCHEMA_VERSION
+    if version < 2 and budget.device_epsilon is not None:
+        raise ValueError(f"a version {version} ledger cannot hold a device-level budget")
     if conn.execute("PRAGMA journal_mode=WAL").fetchone()[0] != "wal":
         raise sqlite3.OperationalError("could not switch to WAL mode")
     conn.execute("PRAGMA synchronous=FULL")
@@ -704,12 +761,17 @@ def _create(conn: sqlite3.Connection, budget: Budget, device_id: str,
         for statement in _SCHEMA:
             conn.execute(statement)
         conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
-        conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        conn.execute(f"PRAGMA user_version={version}")
         created = clock()
         if not (_is_real(created) and math.isfinite(created)):
             raise ValueError(f"clock must return finite seconds, got {created!r}")
-        body = {"format": FORMAT, "version": SCHEMA_VERSION, "device_id": device_id,
-                "budget": {"epsilon": float(budget.epsilon), "delta": float(budget.delta)},
+        stated: dict[str, float | None] = {"epsilon": float(budget.epsilon),
+                                           "delta": float(budget.delta)}
+        if version >= 2:
+            stated["device_epsilon"] = (None if budget.device_epsilon is None
+                                        else float(budget.device_epsilon))
+        body = {"format": FORMAT, "version": version, "device_id": device_id,
+                "budget": stated,
                 "created": float(created),
                 "schema_cookie": conn.execute("PRAGMA schema_version").fetchone()[0],
                 "roots": dict(conn.execute("SELECT name, rootpage FROM sqlite_master "
@@ -734,12 +796,13 @@ def _read_meta(conn: sqlite3.Connection, path: Path) -> dict[str, Any]:
         raise LedgerCorrupted(f"{path}: the metadata does not match its hash (altered)")
     try:
         meta = json.loads(text)
-        if meta.get("format") != FORMAT or meta.get("version") != SCHEMA_VERSION:
-            raise ValueError(f"format {meta.get('format')!r} version {meta.get('version')!r}, "
-                             f"expected {FORMAT!r} version {SCHEMA_VERSION}")
+        version = meta.get("version")
+        if meta.get("format") != FORMAT or type(version) is not int or version not in VERSIONS:
+            raise ValueError(f"format {meta.get('format')!r} version {version!r}, "
+                             f"expected {FORMAT!r} version in {VERSIONS}")
         if _canonical(meta).decode() != text:
             raise ValueError("not in canonical form")
-        Budget(epsilon=meta["budget"]["epsilon"], delta=meta["budget"]["delta"])
+        _meta_budget(meta)
         roots = meta["roots"]
         if not (isinstance(meta["device_id"], str) and meta["device_id"]
                 and _is_int(meta["schema_cookie"]) and isinstance(roots, dict)
@@ -750,6 +813,20 @@ def _read_meta(conn: sqlite3.Connection, path: Path) -> dict[str, Any]:
         raise LedgerCorrupted(f"{path}: bad ledger metadata ({exc})") from exc
     meta["hash"] = digest
     return meta
+
+
+def _meta_budget(meta: dict[str, Any]) -> Budget:
+    """The budget the metadata states: version 1 has no device-level limit (None); version
+    2 states ``device_epsilon`` (null for none). Exact keys.
+
+    Raises:
+        ValueError, KeyError, TypeError: a malformed budget.
+    """
+    b = meta["budget"]
+    keys = {"epsilon", "delta"} | ({"device_epsilon"} if meta["version"] >= 2 else set())
+    if not isinstance(b, dict) or set(b) != keys:
+        raise ValueError(f"budget must have exactly {sorted(keys)}, got {b!r}")
+    return Budget(epsilon=b["epsilon"], delta=b["delta"], device_epsilon=b.get("device_epsilon"))
 
 
 def _read_only_reason(path: Path) -> str | None:

@@ -44,6 +44,8 @@ class Contribution:
         mean_loss: mean per-sample training loss over the round's batches.
         diagnostics: counts a simulator may report (e.g. ``clamped``: values clipped to the
             value bound before encoding); never sent anywhere by a device.
+        device_event: the device-level event against whoever sees only the sum
+            (:meth:`DeviceHalf.device_event`), or None (the default): no theorem.
     """
 
     values: np.ndarray
@@ -52,6 +54,7 @@ class Contribution:
     num_samples: int
     mean_loss: float
     diagnostics: Mapping[str, int | float]
+    device_event: Event | None = None
 
 
 class DeviceHalf(Protocol):
@@ -67,6 +70,14 @@ class DeviceHalf(Protocol):
         """(local, aggregate) privacy events of one round over ``m`` local samples with
         at least ``honest`` honest cohort members in the sum: asked before training, for
         the ledger's check-then-reserve."""
+        ...
+
+    def device_event(self, *, honest: int) -> Event | None:
+        """The DEVICE-level event of one round against whoever sees only the sum (the
+        record is the device: zero-out of its whole data set, its noise share still in the
+        sum, ``honest`` honest shares), or None when the mechanism has no theorem for one
+        (report nothing rather than something): asked with :meth:`events`, before
+        training. The ledger's device-level figure is None over any round without one."""
         ...
 
     def contribute(self, *, params: Sequence[np.ndarray], data: tuple[np.ndarray, np.ndarray],

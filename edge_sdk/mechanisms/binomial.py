@@ -236,6 +236,10 @@ class BinomialDevice:
         events are charged with what ``honest`` gives)."""
         return None
 
+    def device_event(self, *, honest: int) -> Event | None:
+        """None: simulation-only and per-sample: no device-level theorem."""
+        return None
+
     def events(self, *, m: int, honest: int) -> tuple[Event, Event]:
         """(local, aggregate) events over ``m`` >= 1 samples: :func:`round_event`, the same
         for both views (no credit for the other members' noise)."""

@@ -239,6 +239,11 @@ class DdgDevice:
         events are charged with what ``honest`` gives)."""
         return None
 
+    def device_event(self, *, honest: int) -> Event | None:
+        """None: per-sample clipping bounds one sample's influence, not the whole device's (its rows
+        sum to up to m C): no device-level theorem."""
+        return None
+
     def events(self, *, m: int, honest: int) -> tuple[Event, Event]:
         """(local, aggregate) events of one round, zero-out of one sample: the device's own
         share (devices = 1), and the ``honest`` = min_survivors - max_colluders shares

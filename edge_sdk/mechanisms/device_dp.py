@@ -46,8 +46,7 @@ coordinates. Why substitution and not the tighter device-level zero-out (neighbo
 update replaced by 0, D2): the ledger states its figures per sample (zero-out of one
 record), and one sample's change moves a clipped update after tau steps by up to 2 S, not
 S, so a zero-out figure at D2 would read LOW as a sample-level one; substitution of the
-device covers every change to its data, a sample's included. Labelling the tighter
-device-level zero-out figure as its own unit is issue 16's ledger part. Assumptions:
+device covers every change to its data, a sample's included. Assumptions:
 secure aggregation reveals only the sum to fewer than its threshold t of colluders; at most
 ``max_colluders`` members collude with the aggregator; a semi-honest aggregator (it unmasks
 no fewer than ``min_survivors``: devices refuse to unmask fewer, but SecAgg+ neighbourhoods
@@ -55,6 +54,14 @@ leave that count the aggregator's word). Device level add/remove is never stated
 absent device takes its share with it, and the bound needs the same summed noise in both
 neighbours (``ddp.DEVICE_ADD_REMOVE_REFUSAL``). No amplification by sampling is claimed
 (q = 1): the device cannot check the cohort draw.
+
+Device-level event (:meth:`DeviceDpDevice.device_event`; the ledger's device unit, issue
+16): the same KLS Theorem 1 bound with the same n, under device-level **zero-out**: the
+neighbour is the same round with this device's update replaced by 0 (its noise share stays
+in the sum), so the rounded vectors differ by at most D2 (D1), half the substitution
+shift. The ledger keeps it apart from the sample-level figures (its own unit, composed
+only with other device-level events), where it cannot be read as a per-sample figure.
+Same assumptions as the aggregate event.
 
 Local event (against whoever sees one upload): with local DP-SGD, its sample-level event
 (``train.round_event``: the Poisson-subsampled Gaussian, tau steps); the upload is
@@ -370,6 +377,12 @@ class DeviceDpDevice:
         local = round_event(m, p.training) if p.training.noise_multiplier > 0 else ev(1)
         return local, ev(honest)
 
+    def device_event(self, *, honest: int) -> Event:
+        """The device-level zero-out event of one round over ``honest`` shares (module
+        docstring): KLS 2021 Theorem 1 at D2, the device's noise share in the sum."""
+        p = self.params
+        return ddp.event(p.encoding, honest, p.kept, adjacency="zero_out")
+
     def contribute(self, *, params: Sequence[np.ndarray], data: tuple[np.ndarray, np.ndarray],
                    engine: Engine, coords: np.ndarray | None, honest: int,
                    rng: np.random.Generator) -> Contribution:
@@ -392,7 +405,8 @@ class DeviceDpDevice:
         event, aggregate = self.events(m=len(y), honest=honest)
         return Contribution(values=values, event=event, aggregate_event=aggregate,
                             num_samples=len(y), mean_loss=loss,
-                            diagnostics={"clipped": int(norm > p.update_clip)})
+                            diagnostics={"clipped": int(norm > p.update_clip)},
+                            device_event=self.device_event(honest=honest))
 
 
 @dataclass(frozen=True, slots=True)

@@ -107,6 +107,11 @@ class GaussianDevice:
         events are charged with what ``honest`` gives)."""
         return None
 
+    def device_event(self, *, honest: int) -> Event | None:
+        """None: per-sample clipping and noise bound one sample's influence, not the
+        whole device's: no device-level theorem."""
+        return None
+
     def events(self, *, m: int, honest: int) -> tuple[Event, Event]:
         """(local, aggregate) events over ``m`` samples; the aggregate one is the local
         one (linear_sum=False, see the module docstring)."""

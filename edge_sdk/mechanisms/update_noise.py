@@ -216,6 +216,11 @@ class UpdateNoiseDevice:
         events are charged with what ``honest`` gives)."""
         return None
 
+    def device_event(self, *, honest: int) -> Event | None:
+        """None: its noise is calibrated to one sample's influence on the update, not the whole
+        device's: no device-level theorem."""
+        return None
+
     def events(self, *, m: int, honest: int) -> tuple[Event, Event]:
         """(local, aggregate) events over ``m`` >= 1 samples; the aggregate one is the
         local one (linear_sum=False, see the module docstring)."""

@@ -517,6 +517,10 @@ def write_report(*, root: Path = RESULTS_DIR, report: Path = REPORT_PATH,
                            for line in section.splitlines()
                            if "**held**" in line or "**did not hold**" in line]
     lines += ["## Contents", "", *toc, ""]
+    # hand-written notes on what moved the numbers between path versions (issue 15)
+    changes = Path(__file__).with_name("CHANGES.md")
+    if changes.exists():
+        lines += [changes.read_text().rstrip(), ""]
     summary = analyses.cross_summary(root)
     if claims or summary:
         lines += ["## Claims at a glance", "",
