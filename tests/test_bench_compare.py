@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tools.bench.compare import DIRECTIONS, compare, load, run
+from tools.bench.compare import DIRECTIONS, combine, compare, load, run
 from tools.bench.report import TARGETS
 from tools.cli import main
 
@@ -45,9 +45,10 @@ def test_the_real_baseline_against_itself_is_all_same(capsys: pytest.CaptureFixt
     assert {k for _, _, k in ratios} == set(DIRECTIONS)
     assert main(["bench", "compare", str(BASELINE), str(BASELINE)]) == 0
     out = capsys.readouterr().out
-    assert f"{len(ratios)} ratios, noise 0.1: {len(ratios)} same; OK" in out
+    assert f"{len(ratios)} ratios, noise 0.1 (or a ratio's own spread over the AFTER runs " \
+           f"where larger): {len(ratios)} same; OK" in out
     assert "| secagg | clients=1000, dim=100000, dropout=0.1, full_graph=False, bits=32 " \
-           "| client_mask_over_bound | lower | 1.444 | 1.444 | 1 | same |" in out
+           "| client_mask_over_bound | lower | 1.444 | 1.444 | 1 | 0.10 | same |" in out
 
 
 def test_the_real_baseline_made_worse_fails_on_exactly_those_ratios(tmp_path: Path) -> None:
@@ -114,7 +115,8 @@ def test_each_verdict_on_small_files(tmp_path: Path, capsys: pytest.CaptureFixtu
     w = next(r for r in rows if r["key"] == "rdp_speedup" and r["row"] == "steps=7")
     assert w["better"] == "higher" and w["worse_by"] == pytest.approx(1.25)
     out = capsys.readouterr().out
-    assert "| accountant | steps=7 | rdp_speedup | higher | 10 | 8 | 1.25 | **worse** |" in out
+    assert ("| accountant | steps=7 | rdp_speedup | higher | 10 | 8 | 1.25 | 0.10 "
+            "| **worse** |") in out
     assert out.rstrip().endswith("; FAIL")
 
 
@@ -149,5 +151,46 @@ def test_bad_input_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert main(["bench", "wire", "--noise", "0.2"]) == 2
     assert main(["bench", "wire", str(good)]) == 2
     err = capsys.readouterr().err
-    assert "bench compare takes two files" in err
+    assert "bench compare takes BEFORE and one or more AFTER files" in err
     assert "JSON files and --noise are for bench compare only" in err
+
+
+def _scaled(tmp: Path, name: str, factor: float) -> Path:
+    """The real baseline with the cnn b32 speed ratio (higher is better) times ``factor``."""
+    data = json.loads(BASELINE.read_text())
+    data["client"][4]["speed_ratio"] *= factor
+    p = tmp / name
+    p.write_text(json.dumps(data))
+    return p
+
+
+def test_several_after_runs_give_their_median_and_their_own_noise(tmp_path: Path) -> None:
+    key = ("client", "model=cnn, batch=32, threads=1", "speed_ratio")
+    runs = [load(_scaled(tmp_path, f"r{i}.json", f)) for i, f in enumerate((0.6, 0.75, 0.84))]
+    median, spread = combine(runs)
+    assert median[key] == pytest.approx(load(BASELINE)[key] * 0.75)
+    assert spread[key] == pytest.approx(0.84 / 0.6 - 1)  # 0.4
+    other = ("stacks", "", "size_ratio")
+    assert spread[other] == 0.0 and median[other] == load(BASELINE)[other]
+    # 0.75x is worse than the global 10 % allows, but within these runs' own 40 % scatter
+    rows = {(r.section, r.row, r.key): r for r in compare(load(BASELINE), median,
+                                                         spread=spread)}
+    assert rows[key].verdict == "same" and rows[key].noise == pytest.approx(0.4)
+    assert rows[other].noise == 0.1
+    paths = [str(tmp_path / f"r{i}.json") for i in range(3)]
+    assert main(["bench", "compare", str(BASELINE), *paths]) == 0
+    # three runs that agree with each other but are all 25 % slower: worse
+    tight = [str(_scaled(tmp_path, f"t{i}.json", f)) for i, f in enumerate((0.74, 0.75, 0.76))]
+    assert main(["bench", "compare", str(BASELINE), *tight]) == 1
+
+
+def test_a_ratio_missing_from_one_of_several_runs_is_missing(tmp_path: Path) -> None:
+    data = json.loads(BASELINE.read_text())
+    del data["client"][4]["speed_ratio"]
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps(data))
+    median, _ = combine([load(BASELINE), load(short)])
+    got = {(r.section, r.row, r.key): r.verdict for r in compare(load(BASELINE), median)}
+    assert got[("client", "model=cnn, batch=32, threads=1", "speed_ratio")] == "missing"
+    with pytest.raises(ValueError, match="at least one run"):
+        combine([])

@@ -210,12 +210,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "accountant: fedge vs dp_accounting; secagg: one full SecAgg+ "
                         "round vs the mask PRG's floor (needs --clients, --dim, --dropout); "
                         "envelope: one device round pinned to one core under 512 MiB; "
-                        "compare BEFORE AFTER: every ratio of two `bench all --json-out` "
-                        "files, exit 1 where AFTER is worse beyond --noise "
+                        "compare BEFORE AFTER [AFTER ...]: every ratio of `bench all "
+                        "--json-out` files, exit 1 where AFTER (the median of several "
+                        "runs) is worse beyond --noise or the runs' own spread "
                         "(tools/bench/compare.py says how). "
                         "Peers come from tools/bench/requirements.txt")
     p.add_argument("files", nargs="*", metavar="JSON",
-                   help="compare: the BEFORE and AFTER `fedge bench all --json-out` files")
+                   help="compare: the BEFORE and AFTER `fedge bench all --json-out` files "
+                        "(several AFTER runs: their median, noise at least their spread)")
     p.add_argument("--quick", action="store_true",
                    help="fewer configurations and repetitions (all: under 10 minutes)")
     p.add_argument("--json-out", help="write the rows as JSON here")
@@ -266,9 +268,9 @@ def _bench_secagg(args: argparse.Namespace) -> dict[str, object]:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "compare":
-        if len(args.files) != 2 or args.quick:
-            raise ValueError("bench compare takes two files, BEFORE and AFTER (and --noise, "
-                             "--json-out)")
+        if len(args.files) < 2 or args.quick:
+            raise ValueError("bench compare takes BEFORE and one or more AFTER files (and "
+                             "--noise, --json-out)")
     elif args.files or args.noise is not None:
         raise ValueError("JSON files and --noise are for bench compare only")
     if args.what != "secagg":

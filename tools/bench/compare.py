@@ -23,7 +23,11 @@ size, transport, ...). With ``noise`` = n, a ratio is
 * ``new`` when only AFTER has it (reported, never a failure).
 
 ``worse``, ``missing`` and ``incomparable`` make the exit status 1. The plan (issue 15 §6.4)
-takes the noise as max/min - 1 of a ratio over three baseline runs, at least 0.1.
+takes the noise as max/min - 1 of a ratio over three runs, at least 0.1: given several AFTER
+files (``fedge bench compare BEFORE AFTER1 AFTER2 AFTER3``), each ratio's AFTER is the median
+of the runs and its noise is max(``noise``, max/min - 1 over the runs) (:func:`combine`), so a
+ratio that scatters by 40 % between three runs of the same code is not called worse for
+moving 30 %.
 """
 
 from __future__ import annotations
@@ -32,14 +36,15 @@ import argparse
 import json
 import math
 import re
+import statistics
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
-__all__ = ["DIRECTIONS", "FAILING", "RATIO_NAME", "ROW_KEYS", "Comparison", "compare", "load",
-           "main", "print_table", "run"]
+__all__ = ["DIRECTIONS", "FAILING", "RATIO_NAME", "ROW_KEYS", "Comparison", "combine", "compare",
+           "load", "main", "print_table", "run"]
 
 Better = Literal["higher", "lower"]
 
@@ -94,6 +99,8 @@ class Comparison:
         before, after: the values (None where absent).
         worse_by: how many times worse AFTER is (> 1 worse, < 1 better), or None.
         verdict: see the module docstring.
+        noise: the relative change this ratio was allowed (the global noise, or the AFTER
+            runs' own spread where larger).
     """
 
     section: str
@@ -104,6 +111,7 @@ class Comparison:
     after: float | None
     worse_by: float | None
     verdict: Verdict
+    noise: float = 0.1
 
 
 def load(path: str | Path) -> dict[tuple[str, str, str], float]:
@@ -156,21 +164,51 @@ def _rows(value: Any) -> Iterator[tuple[str, Mapping[str, Any]]]:
         yield (name if seen[name] == 1 else f"{name} #{seen[name]}"), r
 
 
+def combine(runs: Sequence[Mapping[tuple[str, str, str], float]],
+            ) -> tuple[dict[tuple[str, str, str], float], dict[tuple[str, str, str], float]]:
+    """Several runs of one code as one AFTER: (median of each ratio, its spread max/min - 1).
+
+    A ratio is kept only where every run has it (a run that lacks it cannot be shown not
+    to be worse: it is then missing); a spread over non-positive or non-finite values is 0
+    (no noise estimate: the global noise applies, and :func:`compare` calls such a value
+    incomparable if it differs from BEFORE).
+
+    Raises:
+        ValueError: no runs.
+    """
+    if not runs:
+        raise ValueError("combine needs at least one run")
+    median: dict[tuple[str, str, str], float] = {}
+    spread: dict[tuple[str, str, str], float] = {}
+    for k in runs[0]:
+        vals = [r[k] for r in runs if k in r]
+        if len(vals) != len(runs):
+            continue
+        median[k] = statistics.median(vals)
+        lo, hi = min(vals), max(vals)
+        spread[k] = hi / lo - 1 if lo > 0 and math.isfinite(hi) else 0.0
+    return median, spread
+
+
 def compare(before: Mapping[tuple[str, str, str], float],
             after: Mapping[tuple[str, str, str], float], *,
-            noise: float = 0.1) -> list[Comparison]:
+            noise: float = 0.1,
+            spread: Mapping[tuple[str, str, str], float] | None = None) -> list[Comparison]:
     """Every ratio of either side, in BEFORE's order then AFTER's new ones (module
-    docstring for the verdicts).
+    docstring for the verdicts). ``spread`` (from :func:`combine`): a ratio's own
+    run-to-run noise, used where larger than ``noise``.
 
     Raises:
         ValueError: noise negative or not finite.
     """
     if not (math.isfinite(noise) and noise >= 0):
         raise ValueError(f"noise must be a finite number >= 0, got {noise!r}")
+    spread = {} if spread is None else spread
     keys = list(before) + [k for k in after if k not in before]
     out = []
     for k in keys:
         better = DIRECTIONS[k[2]]
+        n = max(noise, spread.get(k, 0.0))
         b, a = before.get(k), after.get(k)
         worse_by = None
         if b is None:
@@ -183,10 +221,10 @@ def compare(before: Mapping[tuple[str, str, str], float],
             verdict = "incomparable"
         else:
             worse_by = a / b if better == "lower" else b / a
-            verdict = ("worse" if worse_by > 1 + noise else
-                       "better" if worse_by < 1 / (1 + noise) else "same")
+            verdict = ("worse" if worse_by > 1 + n else
+                       "better" if worse_by < 1 / (1 + n) else "same")
         out.append(Comparison(section=k[0], row=k[1], key=k[2], better=better, before=b,
-                              after=a, worse_by=worse_by, verdict=verdict))
+                              after=a, worse_by=worse_by, verdict=verdict, noise=n))
     return out
 
 
@@ -196,27 +234,36 @@ def _fmt(v: float | None) -> str:
 
 def print_table(rows: Sequence[Comparison], *, noise: float, out: TextIO) -> None:
     """The comparison as a markdown table, then one summary line."""
-    print("| section | row | ratio | better | before | after | after is x worse | verdict |",
-          file=out)
-    print("|---|---|---|---|---|---|---|---|", file=out)
+    print("| section | row | ratio | better | before | after | after is x worse | noise "
+          "| verdict |", file=out)
+    print("|---|---|---|---|---|---|---|---|---|", file=out)
     for r in rows:
         mark = f"**{r.verdict}**" if r.verdict in FAILING else r.verdict
         print(f"| {r.section} | {r.row} | {r.key} | {r.better} | {_fmt(r.before)} "
-              f"| {_fmt(r.after)} | {_fmt(r.worse_by)} | {mark} |", file=out)
+              f"| {_fmt(r.after)} | {_fmt(r.worse_by)} | {r.noise:.2f} | {mark} |", file=out)
     bad = [r for r in rows if r.verdict in FAILING]
     counts = {v: sum(r.verdict == v for r in rows) for v in
               ("worse", "missing", "incomparable", "better", "same", "new")}
-    print(f"\n{len(rows)} ratios, noise {noise:g}: "
+    print(f"\n{len(rows)} ratios, noise {noise:g} (or a ratio's own spread over the AFTER "
+          "runs where larger): "
           + ", ".join(f"{n} {v}" for v, n in counts.items() if n)
           + ("; FAIL" if bad else "; OK"), file=out)
 
 
-def run(before: str | Path, after: str | Path, *, noise: float = 0.1,
+def run(before: str | Path, *after: str | Path, noise: float = 0.1,
         json_out: str | Path | None = None, out: TextIO | None = None) -> int:
-    """Compare two files, print the table to ``out`` (default: stdout) and write the rows as
-    JSON to ``json_out``; returns the exit status: 1 if any ratio is worse, missing or
-    incomparable, else 0."""
-    rows = compare(load(before), load(after), noise=noise)
+    """Compare BEFORE with one AFTER file, or with the median of several (each ratio's noise
+    then at least their spread: :func:`combine`); print the table to ``out`` (default:
+    stdout) and write the rows as JSON to ``json_out``; returns the exit status: 1 if any
+    ratio is worse, missing or incomparable, else 0.
+
+    Raises:
+        ValueError: no AFTER file, or a file that is not a bench JSON.
+    """
+    if not after:
+        raise ValueError("bench compare needs BEFORE and at least one AFTER file")
+    median, spread = combine([load(a) for a in after])
+    rows = compare(load(before), median, noise=noise, spread=spread)
     print_table(rows, noise=noise, out=sys.stdout if out is None else out)
     if json_out is not None:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
@@ -225,17 +272,17 @@ def run(before: str | Path, after: str | Path, *, noise: float = 0.1,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m tools.bench.compare BEFORE AFTER [--noise N]`` (as ``fedge bench
-    compare``); exit 2 on unreadable input."""
+    """``python -m tools.bench.compare BEFORE AFTER [AFTER ...] [--noise N]`` (as ``fedge
+    bench compare``); exit 2 on unreadable input."""
     p = argparse.ArgumentParser(prog="fedge bench compare", description=__doc__.splitlines()[0])
     p.add_argument("before")
-    p.add_argument("after")
+    p.add_argument("after", nargs="+", help="one run, or several runs of the same code")
     p.add_argument("--noise", type=float, default=0.1,
                    help="allowed relative change the wrong way (default 0.1)")
     p.add_argument("--json-out", help="write the comparison rows as JSON here")
     args = p.parse_args(argv)
     try:
-        return run(args.before, args.after, noise=args.noise, json_out=args.json_out)
+        return run(args.before, *args.after, noise=args.noise, json_out=args.json_out)
     except (ValueError, FileNotFoundError) as e:
         print(f"fedge bench compare: error: {e}", file=sys.stderr)
         return 2
