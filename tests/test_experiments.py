@@ -187,6 +187,60 @@ def test_runs_of_an_older_path_are_labelled_and_redone(tiny, tmp_path: Path) -> 
     assert len(load_records(vdir)) == 2
     text = write_report(root=root, report=md, experiments=[tiny], preamble="# t").read_text()
     assert "Path v1 numbers" not in text and "3 stored run(s) of older path" in text
+    assert "**Grid incomplete: 2 of 3 runs stored** (`fedge experiment run tiny --quick` " \
+           "resumes it)" in text
+
+
+GRID = """
+name = "grid"
+title = "Grid"
+paper = "none"
+analysis = "fedspa_fig1"
+seeds = [0]
+
+[base]
+dataset = "digits"
+model = "logreg"
+devices = 6
+participation = 0.5
+rounds = 1
+local-steps = 1
+batch-size = 8
+lr = 0.5
+clip = 1.0
+delta = 1e-3
+
+[[runs]]
+label = "Fed-SPA"
+noise = { calibrate = "fed-spa" }
+grid = { sparsity = [0.5, 1.0], noise_epsilon = [0.5, 2.0] }
+"""
+
+
+def test_a_partial_grid_is_reported_without_a_verdict_and_never_crashes(tmp_path: Path) -> None:
+    """fedspa-fig1's analysis compares cells of its grid; a resumed run with cells missing
+    once raised KeyError in `experiment report`. The report shows the stored runs as they
+    are and judges nothing until the grid is whole."""
+    path = tmp_path / "grid.toml"
+    path.write_text(GRID)
+    exp = load_experiment(path)
+    root, md = tmp_path / "res", tmp_path / "docs" / "results.md"
+    with (tmp_path / "log.txt").open("w") as out:
+        vdir = run_experiment(exp, quick=False, root=root, out=out)
+    whole = write_report(root=root, report=md, experiments=[exp], preamble="# t").read_text()
+    assert "Grid incomplete" not in whole and "Claim (b)" in whole.split("### grid / full")[1]
+    # drop the dense run at the largest eps: the cell every claim (b) reads
+    gone = next(p for p in sorted((vdir / "runs").glob("*.json"))
+                if json.loads(p.read_text())["settings"].get("sparsity", 1.0) == 1.0
+                and json.loads(p.read_text())["noise"]["epsilon_target"] == 2.0)
+    gone.unlink()
+    text = write_report(root=root, report=md, experiments=[exp], preamble="# t").read_text()
+    assert "**Grid incomplete: 3 of 4 runs stored** (`fedge experiment run grid` resumes it)" \
+           in text
+    section = text.split("### grid / full")[1]  # (the report's preamble quotes CHANGES.md)
+    assert "Claim (" not in section and "**held**" not in section
+    assert "did not hold" not in section and "Claims at a glance" not in text
+    assert section.count("| Fed-SPA ") == 3 and "| run | seed | best accuracy (%) |" in section
 
 
 def test_workers_share_the_runs_and_a_claimed_run_is_left_alone(tiny, tmp_path: Path) -> None:

@@ -509,7 +509,15 @@ def write_report(*, root: Path = RESULTS_DIR, report: Path = REPORT_PATH,
             note = "" if exp.kind == "compute" else _path_note(vdir, version, meta["command"])
             if note:
                 body += [note, ""]
-            section = getattr(analyses, exp.analysis)(exp, records, vdir, report.parent)
+            declared = (len(records) if exp.kind == "compute" else
+                        len(expand_runs(exp, quick=meta.get("quick", vdir.name.startswith("quick")),
+                                        overrides=meta.get("overrides", {}))))
+            if exp.kind != "compute" and len(records) < declared:
+                # an analysis reads a whole grid (its claims compare cells): a partial or
+                # resumed variant gets the stored runs as they are and no verdict
+                section = _partial_section(records, declared, meta["command"])
+            else:
+                section = getattr(analyses, exp.analysis)(exp, records, vdir, report.parent)
             body += [section, ""]
             stale = f"(path v{version}, rerun pending) " if version < PATH_VERSION else ""
             if vdir.name == "full":  # claims are judged on full variants only
@@ -533,6 +541,27 @@ def write_report(*, root: Path = RESULTS_DIR, report: Path = REPORT_PATH,
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text("\n".join(lines).rstrip() + "\n")
     return report
+
+
+def _partial_section(records: list[dict[str, Any]], declared: int, command: str) -> str:
+    """A variant with fewer stored runs than it declares: its runs as a plain table (label,
+    seed, best and final accuracy, the summary's epsilon), and no claim judged."""
+    lines = [f"**Grid incomplete: {len(records)} of {declared} runs stored** (`{command}` "
+             "resumes it); the analysis and its claims wait for the whole grid.", "",
+             "| run | seed | best accuracy (%) | final accuracy (%) | epsilon |",
+             "|---|---|---|---|---|"]
+    for r in sorted(records, key=lambda r: (r["label"], json.dumps(r["settings"],
+                                                                  sort_keys=True))):
+        s = r["summary"]
+        best = max((a for a in s.get("accuracy_per_round", []) if a is not None),
+                   default=None)
+        final, eps = s.get("final_accuracy"), s.get("epsilon")
+        cells = [r["label"], str(r["settings"].get("seed", "-")),
+                 "-" if best is None else f"{100 * best:.2f}",
+                 "-" if final is None else f"{100 * final:.2f}",
+                 "-" if eps is None else f"{eps:.4g}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
