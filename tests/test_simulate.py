@@ -304,3 +304,33 @@ def test_ddg_device_encoding_decodes_to_the_clipped_gradient_sum() -> None:
 def test_ddg_bad_configs_are_clear_errors(bad: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         SimConfig(**{**DDG, **bad})
+
+
+def test_beside_no_noise_runs_the_same_fleet_without_noise(tmp_path, capsys) -> None:
+    """`--beside-no-noise` (what `make fleet` prints beside its accuracy): the same config at
+    noise multiplier 0 on the fast path, the model a separate noise-free run gives."""
+    args = ["simulate", "--dataset", "digits", "--model", "logreg", "--devices", "6",
+            "--participation", "1", "--rounds", "2", "--local-steps", "3", "--clip", "1",
+            "--noise-multiplier", "2", "--dropout", "0.2", "--sparsity", "0.5", "--seed", "3",
+            "--quiet"]
+    assert main([*args, "--beside-no-noise", "--json-out", str(tmp_path / "a.json")]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((tmp_path / "a.json").read_text())
+    assert main([*args, "--noise-multiplier", "0", "--json-out", str(tmp_path / "b.json")]) == 0
+    plain = json.loads((tmp_path / "b.json").read_text())
+    twin = summary["no_noise"]
+    assert twin["model_sha256"] == plain["model_sha256"] != summary["model_sha256"]
+    assert twin["final_accuracy"] == plain["final_accuracy"]
+    assert plain["epsilon"] is None and summary["epsilon"] > 0
+    cost = 100 * (plain["final_accuracy"] - summary["final_accuracy"])
+    assert (f"the same fleet without noise (fast path, same seeds, cohorts, dropouts, "
+            f"clipping and compression): final accuracy {plain['final_accuracy']:.4f}; the "
+            f"privacy costs {cost:.2f} points") in printed
+
+
+def test_no_noise_twin_of_binomial_is_refused_before_the_run(capsys) -> None:
+    rc = main(["simulate", "--mechanism", "binomial", "--dataset", "digits", "--model",
+               "logreg", "--devices", "6", "--participation", "1", "--rounds", "1", "--quiet",
+               "--beside-no-noise"])
+    assert rc == 2
+    assert "binomial's noise is its coin flips" in capsys.readouterr().err

@@ -104,6 +104,11 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json-out", help="write the JSON summary here, and beside it (same name, "
                    ".png) a plot of accuracy, epsilon and bytes per round")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--beside-no-noise", action="store_true",
+                   help="then run the same fleet without noise (noise multiplier 0; the same "
+                        "seeds, cohorts, dropouts, clipping and compression, on the fast "
+                        "path, which ends with the fleet's model) and print its accuracy "
+                        "beside: what the privacy costs (summary key 'no_noise')")
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -129,7 +134,12 @@ def _simulate(args: argparse.Namespace) -> int:
         raise ValueError("--workdir applies to the fleet path (--secagg or --transport mqtt)")
     # the plot's path is checked before the run, not after it
     png = png_beside(args.json_out) if args.json_out else None
+    twin = cfg.without_noise() if args.beside_no_noise else None  # refused before the run
     summary = run(cfg, workdir=args.workdir)
+    if twin is not None:
+        plain = run(twin)
+        summary["no_noise"] = {k: plain[k] for k in ("final_accuracy", "accuracy_per_round",
+                                                     "model_sha256", "rounds_completed")}
     if args.json_out and png is not None:
         write_json(summary, args.json_out)
         plot_run(run_series(summary), png)
@@ -141,6 +151,11 @@ def _simulate(args: argparse.Namespace) -> int:
           f"{summary['wall_seconds']:.1f} s")
     for line in epsilon_lines(summary):  # each with its unit, view and adjacency
         print(line)
+    if twin is not None:
+        acc, plain_acc = summary["final_accuracy"], summary["no_noise"]["final_accuracy"]
+        print(f"the same fleet without noise (fast path, same seeds, cohorts, dropouts, "
+              f"clipping and compression): final accuracy {plain_acc:.4f}; the privacy "
+              f"costs {100 * (plain_acc - acc):.2f} points")
     if summary.get("paper_epsilon") is not None:
         paper = "cpSGD Thm 1, not verified" if cfg.mechanism == "binomial" else "FedPAQ"
         print(f"paper's {paper} bound (labelled, not the ledger's): "
