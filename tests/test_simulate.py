@@ -100,6 +100,9 @@ def test_cli_writes_the_json_summary(tmp_path, capsys) -> None:
     assert (f"epsilon sample-level aggregate: {summary['epsilon_aggregate']:.4f} at delta "
             "0.001 (zero-out of one sample; against whoever sees only the sums: a "
             "semi-honest aggregator") in printed
+    n, c = summary["min_survivors"], summary["max_colluders"]  # resolved: the threshold
+    assert isinstance(n, int) and c == 1
+    assert f"min_survivors - max_colluders: {n} - 1 = {n - 1} honest members" in printed
     assert summary["epsilon_device"] is None
     assert ("epsilon device-level aggregate: none stated (mechanism gaussian gives no "
             "device-level guarantee; only device-dp does)") in printed

@@ -597,6 +597,9 @@ class Fleet:
             "device_level_epsilon": {n: _finite_or_none(led.spent().device_epsilon)
                                      for n, led in sorted(self.ledgers.items())},
             "epsilon_note": EPSILON_NOTE,
+        # what the aggregate figures assume, resolved (None in the config: the threshold)
+        "min_survivors": self.policy.survivors_needed(self.policy.cohort_size),
+        "max_colluders": self.policy.max_colluders,
             "paper_epsilon": None,
             "delta": cfg.delta,
             "bytes_up_total": m.up_packets,

@@ -442,6 +442,9 @@ def simulate(cfg: SimConfig, *, out: TextIO | None = None) -> dict[str, Any]:
         "device_level_epsilon": {n: _finite_or_none(e) for n, e in device_level.items()},
         "device_epsilon": {n: [finite(e), finite(a)] for n, (e, a) in device_eps.items()},
         "epsilon_note": EPSILON_NOTE,
+        # what the aggregate figures assume, resolved (None in the config: the threshold)
+        "min_survivors": policy.survivors_needed(policy.cohort_size),
+        "max_colluders": policy.max_colluders,
         "delta": cfg.delta,
         "paper_epsilon": paper,
         "paper_epsilon_note": ("update-noise: FedPAQ eq. (16) per round at delta/rounds, "

@@ -102,7 +102,9 @@ def epsilon_lines(summary: Mapping[str, Any]) -> list[str]:
     delta and assumptions. A None sample-level figure is "inf (no noise)"; a None
     device-level one says that this mechanism states no device-level guarantee."""
     cfg = summary.get("config", {})
-    survivors, colluders = cfg.get("min_survivors"), cfg.get("max_colluders") or 0
+    # the summary's resolved figures (a config's None min_survivors is the threshold)
+    survivors = summary.get("min_survivors", cfg.get("min_survivors"))
+    colluders = summary.get("max_colluders", cfg.get("max_colluders")) or 0
     honest = (f"{survivors} - {colluders} = {survivors - colluders}" if survivors is not None
               else f"(the SecAgg threshold) - {colluders}")
     delta = summary.get("delta")
