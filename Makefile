@@ -1,8 +1,10 @@
 # The two commands of the README. Both set up what they need first (tools/setup.sh).
 .PHONY: fleet test setup onepath
 
+# the fleet over mosquitto, then the same fleet without noise on the fast path (the same
+# model code): what the privacy costs, printed beside
 fleet: setup
-	.venv/bin/fedge simulate --config tools/configs/fleet.toml --json-out out/fleet.json
+	.venv/bin/fedge simulate --config tools/configs/fleet.toml --beside-no-noise --json-out out/fleet.json
 
 test:
 	bash tools/test.sh

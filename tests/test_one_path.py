@@ -71,6 +71,20 @@ def test_fast_simulator_and_inproc_fleet_give_the_same_model(
     assert fast["model_sha256"] == fleet["model_sha256"]
     _same_ledgers(fast, ledgers)
     assert fast["epsilon_aggregate"] == fleet["epsilon_aggregate"]
+    # the device-level figure (issue 16): the same on both paths, per device, per round and
+    # final; stated only by device-dp, None (never a partial figure) for every other one
+    assert fast["device_level_epsilon"] == fleet["device_level_epsilon"]
+    assert fast["epsilon_device"] == fleet["epsilon_device"]
+    assert ([r["epsilon_device"] for r in fast["rounds"]]
+            == [r["epsilon_device"] for r in fleet["rounds"]])
+    if mechanism == "device-dp":
+        assert fast["epsilon_device"] == max(fast["device_level_epsilon"].values()) > 0
+        # below the sample-level figures: one sample's change is bounded by the device's
+        # substitution, twice the zero-out sensitivity
+        assert fast["epsilon_device"] < fast["epsilon_aggregate"]
+    else:
+        assert fast["epsilon_device"] is None
+        assert all(r["epsilon_device"] is None for r in fast["rounds"])
     # each survivor uploaded the plan's length of ring values, bit-packed at its width
     assert fast["rounds_failed"] == 0 and fast["bytes_up_payload"] == fast[
         "device_rounds"] * math.ceil(fast["kept_coordinates"] * fast["ring_bits"] / 8)

@@ -61,8 +61,8 @@ def test_fast_simulator_writes_its_plot_and_the_series_are_the_summarys(tmp_path
     assert s.accuracy[0] is None and s.accuracy[1] is not None  # evaluated every 2nd round
     # the fast path's rows are the fleet's since plan15 G3: both views of the ledgers
     local, aggregate = s.epsilon.values()
-    assert list(s.epsilon) == ["local (anyone who sees an upload)",
-                               "aggregate (secure sum only)"]
+    assert list(s.epsilon) == ["sample-level local (anyone who sees an upload)",
+                               "sample-level aggregate (secure sum only)"]  # no device-level
     assert list(local) == summary["epsilon_per_round"]
     assert list(aggregate) == summary["epsilon_aggregate_per_round"]
     assert s.delta == summary["delta"]

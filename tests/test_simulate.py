@@ -91,7 +91,43 @@ def test_cli_writes_the_json_summary(tmp_path, capsys) -> None:
                 "wall_seconds"):
         assert key in summary
     assert summary["delta"] == 1e-3 and summary["epsilon"] > 0
-    assert "final accuracy" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "final accuracy" in printed
+    # every epsilon printed with its unit, view, delta and adjacency (issue 16); gaussian
+    # DP-SGD states no device-level figure, and says so rather than printing a number
+    assert (f"epsilon sample-level local: {summary['epsilon']:.4f} at delta 0.001 (zero-out "
+            "of one sample; against anyone who sees a device's upload)") in printed
+    assert (f"epsilon sample-level aggregate: {summary['epsilon_aggregate']:.4f} at delta "
+            "0.001 (zero-out of one sample; against whoever sees only the sums: a "
+            "semi-honest aggregator") in printed
+    n, c = summary["min_survivors"], summary["max_colluders"]  # resolved: the threshold
+    assert isinstance(n, int) and c == 1
+    assert f"min_survivors - max_colluders: {n} - 1 = {n - 1} honest members" in printed
+    assert summary["epsilon_device"] is None
+    assert ("epsilon device-level aggregate: none stated (mechanism gaussian gives no "
+            "device-level guarantee; only device-dp does)") in printed
+
+
+def test_cli_prints_the_device_level_figure_of_device_dp(tmp_path, capsys) -> None:
+    out = tmp_path / "run.json"
+    rc = main(["simulate", "--mechanism", "device-dp", "--dataset", "digits", "--model",
+               "logreg", "--devices", "6", "--participation", "1", "--rounds", "2",
+               "--local-steps", "3", "--clip", "1", "--update-clip", "0.5",
+               "--noise-multiplier", "1", "--min-survivors", "5", "--max-colluders", "1",
+               "--seed", "4", "--json-out", str(out)])
+    assert rc == 0
+    summary = json.loads(out.read_text())
+    captured = capsys.readouterr()
+    printed, err = captured.out, captured.err
+    dev = summary["epsilon_device"]
+    assert dev is not None and 0 < dev < summary["epsilon_aggregate"]
+    assert dev == max(summary["device_level_epsilon"].values())
+    assert summary["epsilon_device_per_round"][-1] == dev
+    assert (f"epsilon device-level aggregate: {dev:.4f} at delta 1e-05 (zero-out of one "
+            "device's data; against whoever sees only the sums, same assumptions)") in printed
+    assert "min_survivors - max_colluders: 5 - 1 = 4 honest members" in printed
+    # the per-round line names the unit of each figure it shows
+    assert "eps sample-level local " in err and "eps device-level " in err  # progress
 
 
 def test_cli_offers_every_mechanism_a_config_can_name(capsys) -> None:
@@ -271,3 +307,33 @@ def test_ddg_device_encoding_decodes_to_the_clipped_gradient_sum() -> None:
 def test_ddg_bad_configs_are_clear_errors(bad: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         SimConfig(**{**DDG, **bad})
+
+
+def test_beside_no_noise_runs_the_same_fleet_without_noise(tmp_path, capsys) -> None:
+    """`--beside-no-noise` (what `make fleet` prints beside its accuracy): the same config at
+    noise multiplier 0 on the fast path, the model a separate noise-free run gives."""
+    args = ["simulate", "--dataset", "digits", "--model", "logreg", "--devices", "6",
+            "--participation", "1", "--rounds", "2", "--local-steps", "3", "--clip", "1",
+            "--noise-multiplier", "2", "--dropout", "0.2", "--sparsity", "0.5", "--seed", "3",
+            "--quiet"]
+    assert main([*args, "--beside-no-noise", "--json-out", str(tmp_path / "a.json")]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((tmp_path / "a.json").read_text())
+    assert main([*args, "--noise-multiplier", "0", "--json-out", str(tmp_path / "b.json")]) == 0
+    plain = json.loads((tmp_path / "b.json").read_text())
+    twin = summary["no_noise"]
+    assert twin["model_sha256"] == plain["model_sha256"] != summary["model_sha256"]
+    assert twin["final_accuracy"] == plain["final_accuracy"]
+    assert plain["epsilon"] is None and summary["epsilon"] > 0
+    cost = 100 * (plain["final_accuracy"] - summary["final_accuracy"])
+    assert (f"the same fleet without noise (fast path, same seeds, cohorts, dropouts, "
+            f"clipping and compression): final accuracy {plain['final_accuracy']:.4f}; the "
+            f"privacy costs {cost:.2f} points") in printed
+
+
+def test_no_noise_twin_of_binomial_is_refused_before_the_run(capsys) -> None:
+    rc = main(["simulate", "--mechanism", "binomial", "--dataset", "digits", "--model",
+               "logreg", "--devices", "6", "--participation", "1", "--rounds", "1", "--quiet",
+               "--beside-no-noise"])
+    assert rc == 2
+    assert "binomial's noise is its coin flips" in capsys.readouterr().err

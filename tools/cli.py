@@ -104,6 +104,11 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json-out", help="write the JSON summary here, and beside it (same name, "
                    ".png) a plot of accuracy, epsilon and bytes per round")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--beside-no-noise", action="store_true",
+                   help="then run the same fleet without noise (noise multiplier 0; the same "
+                        "seeds, cohorts, dropouts, clipping and compression, on the fast "
+                        "path, which ends with the fleet's model) and print its accuracy "
+                        "beside: what the privacy costs (summary key 'no_noise')")
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -111,6 +116,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from tools.run import run
     from tools.simconfig import SimConfig, load_config
     from tools.simulate import write_json
+    from tools.summary import epsilon_lines
 
     keys = ["dataset", "model", "devices", "participation", "rounds", "local_steps",
             "batch_size", "lr", "clip", "noise_multiplier", "delta", "partition", "sampling",
@@ -128,33 +134,36 @@ def _simulate(args: argparse.Namespace) -> int:
         raise ValueError("--workdir applies to the fleet path (--secagg or --transport mqtt)")
     # the plot's path is checked before the run, not after it
     png = png_beside(args.json_out) if args.json_out else None
+    twin = cfg.without_noise() if args.beside_no_noise else None  # refused before the run
     summary = run(cfg, workdir=args.workdir)
+    if twin is not None:
+        plain = run(twin)
+        summary["no_noise"] = {k: plain[k] for k in ("final_accuracy", "accuracy_per_round",
+                                                     "model_sha256", "rounds_completed")}
     if args.json_out and png is not None:
         write_json(summary, args.json_out)
         plot_run(run_series(summary), png)
-    eps = summary["epsilon"]
-    eps_s = "inf (no noise)" if eps is None else f"{eps:.4f} at delta={cfg.delta:g}"
-    if summary.get("paper_epsilon") is not None:
-        paper = "cpSGD Thm 1, not verified" if cfg.mechanism == "binomial" else "FedPAQ"
-        eps_s += f" (paper's {paper} bound: {summary['paper_epsilon']:.4f})"
     per = summary["bytes_up_per_upload"]
-    print(f"final accuracy {summary['final_accuracy']:.4f}, epsilon {eps_s}, "
+    print(f"final accuracy {summary['final_accuracy']:.4f}, "
           f"uploaded {summary['bytes_up_total'] / 2**20:.2f} MiB "
           f"({'-' if per is None else f'{per:.0f}'} B per upload vs "
           f"{summary['bytes_up_float32_per_upload']} B float32), "
           f"{summary['wall_seconds']:.1f} s")
-    agg = summary["epsilon_aggregate"]
-    if not cfg.secagg:
-        print(f"fast path: {summary['rounds_completed']} rounds completed, "
-              f"{summary['rounds_failed']} failed; aggregate epsilon (sums only) "
-              f"{'inf' if agg is None else f'{agg:.4f}'}; model sha256 "
-              f"{summary['model_sha256'][:16]}")
-    if cfg.secagg:
-        print(f"fleet over {summary['transport']} with secure aggregation: "
-              f"{summary['rounds_completed']} rounds completed, {summary['rounds_failed']} "
-              f"failed; aggregate epsilon (secure sum only) "
-              f"{'inf' if agg is None else f'{agg:.4f}'}; model sha256 "
-              f"{summary['model_sha256'][:16]}")
+    for line in epsilon_lines(summary):  # each with its unit, view and adjacency
+        print(line)
+    if twin is not None:
+        acc, plain_acc = summary["final_accuracy"], summary["no_noise"]["final_accuracy"]
+        print(f"the same fleet without noise (fast path, same seeds, cohorts, dropouts, "
+              f"clipping and compression): final accuracy {plain_acc:.4f}; the privacy "
+              f"costs {100 * (plain_acc - acc):.2f} points")
+    if summary.get("paper_epsilon") is not None:
+        paper = "cpSGD Thm 1, not verified" if cfg.mechanism == "binomial" else "FedPAQ"
+        print(f"paper's {paper} bound (labelled, not the ledger's): "
+              f"{summary['paper_epsilon']:.4f}")
+    path = ("fast path" if not cfg.secagg else
+            f"fleet over {summary['transport']} with secure aggregation")
+    print(f"{path}: {summary['rounds_completed']} rounds completed, "
+          f"{summary['rounds_failed']} failed; model sha256 {summary['model_sha256'][:16]}")
     if summary["note"]:
         print(f"fedge simulate: {summary['note']}", file=sys.stderr)
         # budgets that ran out end a run cleanly (round_core.too_few_eligible), on either

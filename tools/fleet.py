@@ -74,7 +74,7 @@ from tools.inproc import MemoryBroker
 from tools.partition import partition
 from tools.seeding import device_seed, round_random_bytes, seeded_bytes
 from tools.simconfig import FLEET_BUDGET_EPSILON, FLEET_NAME, SimConfig, round_policy
-from tools.summary import model_sha256, sum_sha256
+from tools.summary import EPSILON_NOTE, model_sha256, sum_sha256, worst
 
 __all__ = ["DROP_STAGES", "DeviceAgent", "Fleet", "simulate_fleet"]
 
@@ -313,14 +313,14 @@ class Fleet:
         out: progress lines (when ``cfg.progress``).
     """
 
-    def __init__(self, cfg: SimConfig, workdir: str | Path, *, out: TextIO = sys.stderr,
+    def __init__(self, cfg: SimConfig, workdir: str | Path, *, out: TextIO | None = None,
                  data: Dataset | None = None, engine: tuple[ModelSpec, Engine] | None = None
                  ) -> None:
         t0 = time.perf_counter()
         cfg.fleet_checks()
         self.cfg = cfg
         self.workdir = Path(workdir)
-        self.out = out
+        self.out = sys.stderr if out is None else out  # at call time: a replaced stderr
         self.data = load_dataset(cfg.dataset) if data is None else data
         if engine is None:
             spec = build_spec(cfg.model, self.data.input_shape, self.data.num_classes)
@@ -369,6 +369,7 @@ class Fleet:
         self.rows: list[dict[str, Any]] = []
         self.eps_local = 0.0
         self.eps_aggregate = 0.0
+        self.eps_device: float | None = 0.0  # None once any device's has no theorem
         self.setup_seconds = time.perf_counter() - t0
         self._acc = self._evaluate(self.initial)
         self._t_run = 0.0
@@ -452,6 +453,7 @@ class Fleet:
             spent = self.ledgers[n].spent()
             self.eps_local = max(self.eps_local, spent.local_epsilon)
             self.eps_aggregate = max(self.eps_aggregate, spent.aggregate_epsilon)
+            self.eps_device = worst(self.eps_device, spent.device_epsilon)
         if o.completed:
             self._acc = self._evaluate(self.machine.params)
         now = self.meter.snapshot()
@@ -467,6 +469,7 @@ class Fleet:
             "bytes": {k: now[k] - before[k] for k in now},
             "epsilon_local": _finite(self.eps_local),
             "epsilon_aggregate": _finite(self.eps_aggregate),
+            "epsilon_device": _finite_or_none(self.eps_device),
             "sum_sha256": None if o.total is None else sum_sha256(o.total),
         }
         self.rows.append(row)
@@ -475,8 +478,10 @@ class Fleet:
             self.out.write(
                 f"[{self.cfg.transport}] round {o.round_id:>4}/{self.cfg.rounds} {state} "
                 f"survivors {len(o.survivors):>4}/{len(cohort):<4} dropped {len(dropped):>3} "
-                f"acc {self._acc:.4f} eps {self.eps_local:.3f} "
-                f"{time.perf_counter() - self._t_run:7.1f}s"
+                f"acc {self._acc:.4f} eps sample-level local {self.eps_local:.3f} "
+                + ("" if self.eps_device is None else
+                   f"eps device-level {self.eps_device:.3f} ")
+                + f"{time.perf_counter() - self._t_run:7.1f}s"
                 + ("" if o.completed else f"  ({o.detail})") + "\n")
             self.out.flush()
 
@@ -566,6 +571,7 @@ class Fleet:
             spent = led.spent()
             self.eps_local = max(self.eps_local, spent.local_epsilon)
             self.eps_aggregate = max(self.eps_aggregate, spent.aggregate_epsilon)
+            self.eps_device = worst(self.eps_device, spent.device_epsilon)
         m = self.meter
         uploads = sum(len(o.survivors) for o in self.outcomes.values())
         params = self.machine.params
@@ -585,16 +591,15 @@ class Fleet:
             "epsilon": _finite(self.eps_local),
             "epsilon_aggregate": _finite(self.eps_aggregate),
             "epsilon_per_round": [r["epsilon_local"] for r in self.rows],
-            "epsilon_note": ("max over devices' ledgers at delta, every reservation counted, "
-                             "zero-out adjacency. local: against anyone who sees a device's "
-                             "upload; aggregate: against whoever sees only the secure sum "
-                             "(threshold, collusion and semi-honest-aggregator assumptions), "
-                             "equal to local wherever uploads are clamped or rounded before "
-                             "the sum (gaussian, update-noise); ddg's counts the noise "
-                             "shares of min_survivors - max_colluders honest members "
-                             "(KLS 2021 Thm 1, sample-level zero-out); device-dp's is "
-                             "DEVICE-level zero-out over the same honest shares (KLS 2021 "
-                             "Thm 1) and its local one the device's own share alone"),
+            "epsilon_aggregate_per_round": [r["epsilon_aggregate"] for r in self.rows],
+            "epsilon_device": _finite_or_none(self.eps_device),
+            "epsilon_device_per_round": [r["epsilon_device"] for r in self.rows],
+            "device_level_epsilon": {n: _finite_or_none(led.spent().device_epsilon)
+                                     for n, led in sorted(self.ledgers.items())},
+            "epsilon_note": EPSILON_NOTE,
+        # what the aggregate figures assume, resolved (None in the config: the threshold)
+        "min_survivors": self.policy.survivors_needed(self.policy.cohort_size),
+        "max_colluders": self.policy.max_colluders,
             "paper_epsilon": None,
             "delta": cfg.delta,
             "bytes_up_total": m.up_packets,
@@ -643,8 +648,13 @@ def _finite(v: float) -> float | None:
     return v if math.isfinite(v) else None
 
 
+def _finite_or_none(v: float | None) -> float | None:
+    """A JSON-safe epsilon: None for none stated or infinite."""
+    return v if v is not None and math.isfinite(v) else None
+
+
 def simulate_fleet(cfg: SimConfig, *, workdir: str | Path | None = None,
-                   out: TextIO = sys.stderr) -> dict[str, Any]:
+                   out: TextIO | None = None) -> dict[str, Any]:
     """Build a :class:`Fleet` and run it; the summary (JSON-able). Without ``workdir`` the
     ledgers, checkpoint and broker files live in a temporary directory."""
     if workdir is not None:

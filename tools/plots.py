@@ -79,7 +79,8 @@ def run_series(summary: dict[str, Any]) -> RunSeries:
 
     With per-round rows (``summary["rounds"]``, one row per ended round, failed ones
     included: the fleet path's, and the fast path's since plan15 G3): the round ids, each
-    row's accuracy, ``epsilon_local`` and ``epsilon_aggregate`` and its ``bytes``
+    row's accuracy, ``epsilon_local``, ``epsilon_aggregate`` (and ``epsilon_device``
+    where a row states one: device-dp) and its ``bytes``
     (``up_packets``, ``down_packets``). Without them (older fast-path summaries): rounds
     1..R, ``accuracy_per_round``, ``epsilon_per_round`` and ``bytes_per_round`` (up =
     payload + overhead, down).
@@ -94,11 +95,14 @@ def run_series(summary: dict[str, Any]) -> RunSeries:
         rounds = tuple(int(r["round"]) for r in rows)
         accuracy = tuple(r["accuracy"] for r in rows)
         epsilon = {
-            "local (anyone who sees an upload)":
+            "sample-level local (anyone who sees an upload)":
                 tuple(_finite(r["epsilon_local"]) for r in rows),
-            "aggregate (secure sum only)":
+            "sample-level aggregate (secure sum only)":
                 tuple(_finite(r["epsilon_aggregate"]) for r in rows),
         }
+        device = tuple(_finite(r.get("epsilon_device")) for r in rows)
+        if any(v is not None for v in device):  # device-dp: zero-out of a device's data
+            epsilon["device-level aggregate (secure sum only)"] = device
         up = tuple(int(r["bytes"]["up_packets"]) for r in rows)
         down = tuple(int(r["bytes"]["down_packets"]) for r in rows)
         cfg = summary.get("config", {})

@@ -12,7 +12,6 @@ JSON-able summary out, whichever path the config selects.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -24,7 +23,7 @@ __all__ = ["run"]
 
 
 def run(cfg: SimConfig, *, workdir: str | Path | None = None,
-        out: TextIO = sys.stderr) -> dict[str, Any]:
+        out: TextIO | None = None) -> dict[str, Any]:
     """Run ``cfg`` on the path it selects; return that path's summary.
 
     Args:

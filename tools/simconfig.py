@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -232,6 +232,23 @@ class SimConfig:
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be finite and > 0, got {v!r}")
+
+    def without_noise(self) -> SimConfig:
+        """This run without noise: noise multiplier 0, everything else kept (seeds, cohorts,
+        dropouts, clipping, compression), on the fast path, which ends with the model the
+        fleet path would (tests/test_one_path.py), without a budget (no noise: no finite
+        epsilon) and without progress output. The accuracy it reaches is what the noise
+        costs.
+
+        Raises:
+            ValueError: a mechanism whose noise is not the noise multiplier (binomial: the
+                coin flips are its noise).
+        """
+        if self.mechanism == "binomial":
+            raise ValueError("binomial's noise is its coin flips (binomial_trials), not the "
+                             "noise multiplier: no noise-free twin of the same mechanism")
+        return replace(self, noise_multiplier=0.0, transport="inproc", secagg=False,
+                       budget_epsilon=None, progress=False)
 
     def as_dict(self) -> dict[str, Any]:
         """The settings as JSON-able values (non-finite floats as None)."""

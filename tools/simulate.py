@@ -98,7 +98,7 @@ from tools.evaluate import evaluate
 from tools.partition import partition
 from tools.seeding import device_seed, round_random_bytes
 from tools.simconfig import DDG_SCALE, FLEET_NAME, SimConfig, round_policy
-from tools.summary import model_sha256, sum_sha256
+from tools.summary import EPSILON_NOTE, device_level_max, model_sha256, sum_sha256, worst
 
 __all__ = ["DDG_SCALE", "PATH_VERSION", "ddg_event", "round_draws", "simulate"]
 
@@ -112,13 +112,19 @@ device halves and PlainSum (fixed-point ring values clamped at the value bound, 
 over survivors, ledger epsilons, ring-sized uploads)."""
 
 
+def _finite_or_none(v: float | None) -> float | None:
+    """A JSON-safe epsilon: None for none stated or infinite."""
+    return v if v is not None and math.isfinite(v) else None
+
+
 class _Progress:
     def __init__(self, total: int, out: TextIO, enabled: bool) -> None:
         self.total, self.out, self.enabled = total, out, enabled
         self.tty = enabled and out.isatty()
         self.start = time.perf_counter()
 
-    def show(self, rnd: int, acc: float | None, eps: float) -> None:
+    def show(self, rnd: int, acc: float | None, eps: float,
+             eps_device: float | None = None) -> None:
         if not self.enabled:
             return
         width = 24
@@ -126,8 +132,9 @@ class _Progress:
         bar = "#" * done + "." * (width - done)
         acc_s = "  -  " if acc is None else f"{acc:.4f}"
         eps_s = "inf" if math.isinf(eps) else f"{eps:.3f}"
-        line = (f"round {rnd:>4}/{self.total} [{bar}] acc {acc_s} eps {eps_s} "
-                f"{time.perf_counter() - self.start:6.1f}s")
+        dev_s = "" if eps_device is None else f" eps device-level {eps_device:.3f}"
+        line = (f"round {rnd:>4}/{self.total} [{bar}] acc {acc_s} eps sample-level local "
+                f"{eps_s}{dev_s} {time.perf_counter() - self.start:6.1f}s")
         if self.tty:
             self.out.write("\r" + line + ("\n" if rnd == self.total else ""))
         else:
@@ -199,12 +206,13 @@ def _cpsgd_paper_epsilon(plan: RoundPlan, m: int, delta: float) -> float:
     return event.paper_epsilon_delta(delta)[0]
 
 
-def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
+def simulate(cfg: SimConfig, *, out: TextIO | None = None) -> dict[str, Any]:
     """Run the fleet; return the JSON-able summary (module docstring).
 
     The fast path only: a config with ``secagg`` is the fleet path's, which
     :func:`tools.run.run` dispatches to (this module does not import ``tools.fleet``).
     """
+    out = sys.stderr if out is None else out  # at call time, not import time
     if cfg.secagg:
         raise ValueError("simulate() is the in-process path without secure aggregation: "
                          "run a config with secagg = true through tools.run.run (the fleet "
@@ -237,6 +245,7 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
     books = {n: Book(budget=budget, delta=None if budget else cfg.delta, cache=cache)
              for n in names}
     device_eps = {n: (0.0, 0.0) for n in names}  # (local, aggregate)
+    device_level: dict[str, float | None] = dict.fromkeys(names, 0.0)  # None: no theorem
     paper_eps = dict.fromkeys(names, 0.0)  # FedPAQ eq. (16) / cpSGD Thm 1, summed
     participated = dict.fromkeys(names, 0)
     schedule = DropoutSchedule(cfg.dropout, cfg.seed) if cfg.dropout > 0 else None
@@ -262,6 +271,8 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
     budget_short: dict[str, float] = {}  # the round machine's: a budget decline's remaining epsilon
     end_note = ""
     eps = agg_eps = 0.0  # no round, no spend
+    dev_eps: float | None = 0.0  # device-level: None once any device's has no theorem
+    dev_hist: list[float | None] = []
 
     def finite(v: float) -> float | None:
         return v if math.isfinite(v) else None
@@ -323,6 +334,7 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
                                                          cfg.delta / cfg.rounds)
             s = books[n].spent()
             device_eps[n] = (s.local_epsilon, s.aggregate_epsilon)
+            device_level[n] = s.device_epsilon
             participated[n] += 1
             if math.isfinite(loss):
                 losses.append(loss)
@@ -368,6 +380,7 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
         agg_eps = max(a for _, a in device_eps.values())
         eps = max(eps, eps_hist[-1] if eps_hist else 0.0)
         agg_eps = max(agg_eps, agg_hist[-1] if agg_hist else 0.0)
+        dev_eps = worst(dev_eps, device_level_max(device_level.values()))
         acc = None
         if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:
             acc = evaluate(engine, params, data.x_test, data.y_test, cfg.eval_batch)
@@ -377,6 +390,7 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
         acc_hist.append(acc)
         eps_hist.append(eps)
         agg_hist.append(agg_eps)
+        dev_hist.append(dev_eps)
         up = bytes_up_payload + bytes_up_overhead - before[0] - before[1]
         # the fleet's row (tools.fleet), where the fast path has the figure
         rounds.append({"round": rnd, "completed": failed is None,
@@ -386,11 +400,12 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
                        "model_version": version,
                        "accuracy": acc, "epsilon_local": finite(eps),
                        "epsilon_aggregate": finite(agg_eps),
+                       "epsilon_device": _finite_or_none(dev_eps),
                        "bytes": {"up_payload": bytes_up_payload - before[0],
                                  "up_packets": up, "down_packets": bytes_down - before[2]},
                        "sum_sha256": total_sha})
         loss_hist.append(float(np.mean(losses)) if losses else None)
-        progress.show(rnd, acc, eps)
+        progress.show(rnd, acc, eps, dev_eps)
 
     uploads = sum(r["survivors"] for r in rounds)
     # the plan of a full cohort where no round started
@@ -404,13 +419,6 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
                      "summed_noise_std_model_units": w.sigma * w.gamma * math.sqrt(honest),
                      "bits": plan.bits, "nominal_local_samples": w.nominal_samples,
                      "max_local_samples": max(sizes), "max_abs_integer": max_abs_integer}
-    note = ("max over devices' ledgers (edge_sdk.ledger.Book) at delta, every "
-            "reservation counted, zero-out adjacency; null = no DP guarantee. local: "
-            "against anyone who sees a device's upload; aggregate: against whoever "
-            "sees only the sums (equal to local for gaussian, update-noise and binomial; "
-            "ddg's and device-dp's count the noise shares of min_survivors - max_colluders "
-            "honest members, KLS 2021 Thm 1; binomial's is the restricted-RDP bound, "
-            "cpSGD Thm 1 only the labelled paper_epsilon)")
     paper = (finite(max(paper_eps.values()))
              if cfg.mechanism in ("update-noise", "binomial") else None)
     return {
@@ -429,8 +437,14 @@ def simulate(cfg: SimConfig, *, out: TextIO = sys.stderr) -> dict[str, Any]:
         "epsilon_aggregate": finite(agg_eps),
         "epsilon_per_round": [finite(e) for e in eps_hist],
         "epsilon_aggregate_per_round": [finite(e) for e in agg_hist],
+        "epsilon_device": _finite_or_none(dev_eps),
+        "epsilon_device_per_round": [_finite_or_none(e) for e in dev_hist],
+        "device_level_epsilon": {n: _finite_or_none(e) for n, e in device_level.items()},
         "device_epsilon": {n: [finite(e), finite(a)] for n, (e, a) in device_eps.items()},
-        "epsilon_note": note,
+        "epsilon_note": EPSILON_NOTE,
+        # what the aggregate figures assume, resolved (None in the config: the threshold)
+        "min_survivors": policy.survivors_needed(policy.cohort_size),
+        "max_colluders": policy.max_colluders,
         "delta": cfg.delta,
         "paper_epsilon": paper,
         "paper_epsilon_note": ("update-noise: FedPAQ eq. (16) per round at delta/rounds, "

@@ -840,3 +840,80 @@ def fedspa_fig1(exp: Any, records: list[dict[str, Any]], vdir: Path, docdir: Pat
                "charges the same noise the eps in the last row (the paper's Theorem 1 is "
                "loose; see fedspa-table1).")
     return "\n".join(out)
+
+
+# --------------------------------------------------------- ours: device-level DP (issue 16)
+
+
+def device_dp_fleet(exp: Any, records: list[dict[str, Any]], vdir: Path, docdir: Path) -> str:
+    """Accuracy against DEVICE-level epsilon (device-dp) for each partition, beside the
+    non-private run with the same rounds, clipping and encoding; the issue-16 target judged.
+
+    Rule: for each partition, the best final accuracy among the private runs whose
+    device-level epsilon is <= 3 must be within 5 points of the non-private run's, with a
+    payload of at most 2 bytes per model parameter (ring bits x uploaded length / 8 / d).
+    Final accuracy, not the best over rounds (no choice made on the test set).
+    """
+    plt = _plt()
+    by_part: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        by_part[str(r["settings"].get("partition", "iid"))].append(r)
+    lines = ["| partition | run | z | device-level eps | final acc. (%) | best acc. (%) | "
+             "payload B/param | busiest device's rounds |", "|---|---|---|---|---|---|---|---|"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    verdicts = []
+    for part, runs in sorted(by_part.items()):
+        runs = sorted(runs, key=lambda r: r["noise"]["noise_multiplier"])
+        plain = [r for r in runs if r["noise"]["noise_multiplier"] == 0.0]
+        private = [r for r in runs if r["noise"]["noise_multiplier"] > 0.0]
+        for r in runs:
+            s = r["summary"]
+            per_param = s["ring_bits"] * s["kept_coordinates"] / 8 / s["num_params"]
+            eps = s.get("epsilon_device")
+            lines.append(f"| {part} | {r['label']} | {r['noise']['noise_multiplier']:g} | "
+                         f"{_fmt(eps, '.3f')} | {100 * _final_acc(r):.2f} | "
+                         f"{100 * _best_acc(r):.2f} | {per_param:.3f} | "
+                         f"{s.get('max_rounds_per_device', '-')} |")
+        pts = [(r["summary"]["epsilon_device"], 100 * _final_acc(r)) for r in private
+               if r["summary"].get("epsilon_device") is not None]
+        if pts:
+            pts.sort()
+            line = ax.plot([e for e, _ in pts], [a for _, a in pts], marker="o",
+                           label=f"{part}, device-dp")
+            if plain:
+                ax.axhline(100 * _final_acc(plain[0]), linestyle="--",
+                           color=line[0].get_color(), label=f"{part}, no noise")
+        if plain:
+            ok = [r for r in private if (r["summary"].get("epsilon_device") or math.inf) <= 3]
+            base = 100 * _final_acc(plain[0])
+            if ok:
+                best = max(ok, key=_final_acc)
+                s = best["summary"]
+                gap = base - 100 * _final_acc(best)
+                per_param = s["ring_bits"] * s["kept_coordinates"] / 8 / s["num_params"]
+                verdicts.append(
+                    f"- Target ({part}): at device-level eps <= 3 within 5 points of "
+                    f"non-private with <= 2 bytes per parameter: best such run "
+                    f"{best['label']} (eps {s['epsilon_device']:.3f}) at "
+                    f"{100 * _final_acc(best):.2f} % against {base:.2f} % non-private, gap "
+                    f"{gap:.2f} points, {per_param:.3f} B/param "
+                    f"{_verdict(gap <= 5 and per_param <= 2)}.")
+            else:
+                verdicts.append(f"- Target ({part}): no private run reached device-level "
+                                f"eps <= 3 **did not hold**.")
+    path = _finish(fig, ax, vdir / "accuracy-vs-device-eps.png", log_x=True,
+                   xlabel="device-level epsilon (zero-out of one device, delta = 1e-5)",
+                   ylabel="final test accuracy (%)")
+    out = ["Each row: device-dp (the whole update clipped to S, rotated, conditionally "
+           "rounded, a distributed discrete Gaussian share per device so that the "
+           "min_survivors - max_colluders honest shares carry std z S), uploads of the "
+           "shared rand-k coordinates in a ring of 2^bits. Device-level eps is the ledgers' "
+           "(max over devices: KLS 2021 Thm 1 over the honest shares, composed over the "
+           "busiest device's rounds, zero-out of one device's data, semi-honest aggregator), "
+           "with no amplification by sampling: a device cannot verify the aggregator's "
+           "cohort sampling, so each participation is charged in full.", "", *lines, "",
+           _img(path, docdir, "accuracy vs device-level epsilon"), ""]
+    if _is_quick(vdir):
+        out.append("Quick variant (digits, logreg): pipeline check only; no claim is judged.")
+        return "\n".join(out)
+    return "\n".join(out + verdicts)
