@@ -83,7 +83,8 @@ class RoundPolicy:
             :func:`mechanisms` (default ``"gaussian"``); the settings below are its.
         steps, batch_size, lr, sampling, clip, noise_multiplier: the local round (clip
             inf only without noise: a non-private baseline, which only a simulation's
-            unlimited ledger can run).
+            unlimited ledger can run; or device-dp without local noise, which clips the
+            whole update to update_clip instead).
         sparsity: rand-k kept fraction p; quant_levels: QSGD levels (0: none).
         bits: ring size of the secure sum; value_bound: each uploaded value is clamped to
             [-value_bound, value_bound]; scale: fixed-point scale (None: the largest for
@@ -185,9 +186,12 @@ class RoundPolicy:
                              f"this aggregator can plan), got {self.mechanism!r}")
         if self.sampling not in ("poisson", "shuffle"):
             raise ValueError(f"sampling must be 'poisson' or 'shuffle', got {self.sampling!r}")
-        if not (self.clip > 0 and (math.isfinite(self.clip) or self.noise_multiplier == 0)):
+        plain_local = self.mechanism == "device-dp" and self.local_noise_multiplier == 0
+        if not (self.clip > 0 and (math.isfinite(self.clip) or self.noise_multiplier == 0
+                                   or plain_local)):
             # inf only for a non-private baseline (no noise: epsilon inf, which no device
-            # budget can pay; a simulator's unlimited Book only, plan15 R5)
+            # budget can pay; a simulator's unlimited Book only, plan15 R5), or device-dp
+            # with plain local SGD, whose noise (std z S) is on the whole clipped update
             raise ValueError(f"clip must be finite and > 0 (inf only with noise_multiplier "
                              f"0), got {self.clip!r}")
         if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
@@ -405,7 +409,10 @@ def _device_dp(policy: RoundPolicy, dim: int, cohort_size: int) -> tuple[Record,
     assert policy.update_clip is not None and policy.gamma is not None  # __post_init__
     params, bits, length = device_dp.device_dp_public(
         steps=policy.steps, batch_size=policy.batch_size, lr=float(policy.lr),
-        sampling=policy.sampling, local_clip=float(policy.clip),
+        # the wire's local_clip is finite; with plain local SGD the device ignores it
+        # (DeviceDpParams), so an unbounded per-sample clip travels as S
+        sampling=policy.sampling,
+        local_clip=float(policy.clip if math.isfinite(policy.clip) else policy.update_clip),
         local_noise_multiplier=float(policy.local_noise_multiplier),
         update_clip=float(policy.update_clip), gamma=float(policy.gamma),
         noise_multiplier=float(policy.noise_multiplier), sparsity=float(policy.sparsity),

@@ -610,3 +610,30 @@ def test_sessions_publish_the_noise_decline(tmp_path, digits, engine) -> None:
         assert fleet.machine.history[0].completed is False
     finally:
         fleet.close()
+
+
+def test_device_dp_needs_no_per_sample_clip_on_either_path(tmp_path) -> None:
+    """device-dp's noise multiplier is the device-level one (std z S on the sum): its plain
+    local SGD needs no per-sample clip C, on the fast path or the fleet's; the plan states
+    S in the wire's (finite, unused) local_clip."""
+    import json
+
+    from tools.cli import main
+
+    common = ["simulate", "--mechanism", "device-dp", "--dataset", "digits", "--model",
+              "logreg", "--devices", "6", "--participation", "1", "--rounds", "1",
+              "--local-steps", "2", "--update-clip", "0.5", "--noise-multiplier", "2",
+              "--seed", "4", "--quiet"]
+    assert main([*common, "--json-out", str(tmp_path / "fast.json")]) == 0
+    assert main([*common, "--secagg", "--transport", "inproc", "--workdir",
+                 str(tmp_path / "w"), "--json-out", str(tmp_path / "fleet.json")]) == 0
+    fast, fleet = (json.loads((tmp_path / f).read_text()) for f in ("fast.json", "fleet.json"))
+    assert fast["config"]["clip"] is None  # inf: no per-sample clipping
+    assert fast["model_sha256"] == fleet["model_sha256"]
+    assert fast["epsilon_device"] == fleet["epsilon_device"] > 0
+    # the same run with a per-sample clip stated: plain local SGD ignores it, same model
+    assert main([*common, "--clip", "0.01", "--json-out", str(tmp_path / "c.json")]) == 0
+    clipped = json.loads((tmp_path / "c.json").read_text())
+    assert clipped["model_sha256"] == fast["model_sha256"]
+    assert (clipped["epsilon"], clipped["epsilon_device"]) == (fast["epsilon"],
+                                                               fast["epsilon_device"])

@@ -222,7 +222,7 @@ class SimConfig:
             raise ValueError(f"secure aggregation runs mechanisms {sorted(MECHANISMS)} "
                              f"({self.mechanism} is simulation-only), got "
                              f"{self.mechanism!r}")
-        if not math.isfinite(self.clip):
+        if not math.isfinite(self.clip) and self.mechanism != "device-dp":  # its bound: S
             raise ValueError("secure aggregation needs a finite clip (the devices' ledgers "
                              "and the fixed-point range depend on it)")
         if not self.noise_multiplier > 0 and self.mechanism != "binomial":  # its noise: trials
@@ -261,7 +261,9 @@ class SimConfig:
             batch_size=self.batch_size,
             lr=self.lr,
             clip=self.clip,
-            noise_multiplier=self.noise_multiplier,
+            # device-dp's noise multiplier is the device-level one, on the whole update
+            # (std z S over the honest shares): its local steps are plain SGD
+            noise_multiplier=0.0 if self.mechanism == "device-dp" else self.noise_multiplier,
             sampling=self.sampling,  # type: ignore[arg-type]
             sparsity=self.sparsity,
         )
