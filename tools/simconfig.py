@@ -91,6 +91,10 @@ class SimConfig:
     sparsity: float = 1.0
     quant_levels: int = 0
     update_clip: float | None = None
+    # device-dp: adaptive clipping (Andrew et al. 2021) toward this quantile of the devices'
+    # update norms, S' = S exp(-lr (b_hat - quantile)); None: S fixed
+    adaptive_clip_quantile: float | None = None
+    adaptive_clip_lr: float = 0.2
     binomial_trials: int = 4096
     ddg_gamma: float | None = None
     backend: str = "onnx"
@@ -309,7 +313,9 @@ def round_policy(cfg: SimConfig, sizes: list[int], *, stage_timeout: float | Non
                  "levels": cfg.quant_levels or 127}
         quant_levels = 0
     elif cfg.mechanism == "device-dp":
-        extra = {"update_clip": cfg.update_clip, "gamma": cfg.gamma}
+        extra = {"update_clip": cfg.update_clip, "gamma": cfg.gamma,
+                 "adaptive_clip_quantile": cfg.adaptive_clip_quantile,
+                 "adaptive_clip_lr": cfg.adaptive_clip_lr}
     return RoundPolicy(
         fleet=FLEET_NAME, cohort_size=cfg.cohort_size,
         stage_timeout=cfg.stage_timeout if stage_timeout is None else stage_timeout,
