@@ -25,6 +25,7 @@ reads its device half (``edge_sdk.round.mechanism_round``), decodes the sum.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -51,9 +52,11 @@ __all__ = [
     "finish",
     "mechanism_params",
     "mechanisms",
+    "next_update_clip",
     "round_secrets",
     "select_cohort",
     "server_half",
+    "with_update_clip",
     "short_of_survivors",
     "too_few_eligible",
 ]
@@ -83,7 +86,8 @@ class RoundPolicy:
             :func:`mechanisms` (default ``"gaussian"``); the settings below are its.
         steps, batch_size, lr, sampling, clip, noise_multiplier: the local round (clip
             inf only without noise: a non-private baseline, which only a simulation's
-            unlimited ledger can run).
+            unlimited ledger can run; or device-dp without local noise, which clips the
+            whole update to update_clip instead).
         sparsity: rand-k kept fraction p; quant_levels: QSGD levels (0: none).
         bits: ring size of the secure sum; value_bound: each uploaded value is clamped to
             [-value_bound, value_bound]; scale: fixed-point scale (None: the largest for
@@ -119,6 +123,13 @@ class RoundPolicy:
             ``batch_size``, ``lr``, ``sampling`` the local round; ``sparsity`` rand-k (the
             plan's bits come from these: ``bits``, ``scale``, ``value_bound`` and
             ``quant_levels`` are not used).
+        adaptive_clip_quantile, adaptive_clip_lr, indicator_ratio: ``"device-dp"`` only:
+            adaptive clipping (Andrew et al. 2021; None: S fixed). Each round's S moves
+            geometrically toward the target quantile gamma_q of the devices' update norms,
+            S' = S exp(-lr (b_hat - gamma_q)) (:func:`next_update_clip`; ``update_clip``
+            is the first round's S); the devices release their indicator at scale
+            c = 2 r S (r = ``indicator_ratio``): the count's noise std is
+            z sqrt(1 + r^2) / (2 r) devices, the update's noise grows by sqrt(1 + r^2).
         ring_bound: ``"device-dp"`` only: how the plan's bits bound the sum,
             ``"bounded"`` (default, deterministic) or ``"rotated"`` (the rotation's
             sub-Gaussian tail: fewer bits; ``device_dp.ring_bits`` says when it holds).
@@ -157,6 +168,9 @@ class RoundPolicy:
     trials: int | None = None
     levels: int | None = None
     local_noise_multiplier: float = 0.0
+    adaptive_clip_quantile: float | None = None
+    adaptive_clip_lr: float = 0.2
+    indicator_ratio: float = 0.4
     ring_bound: str = "bounded"
     degree: int | None = None
     threshold: int | None = None
@@ -185,9 +199,12 @@ class RoundPolicy:
                              f"this aggregator can plan), got {self.mechanism!r}")
         if self.sampling not in ("poisson", "shuffle"):
             raise ValueError(f"sampling must be 'poisson' or 'shuffle', got {self.sampling!r}")
-        if not (self.clip > 0 and (math.isfinite(self.clip) or self.noise_multiplier == 0)):
+        plain_local = self.mechanism == "device-dp" and self.local_noise_multiplier == 0
+        if not (self.clip > 0 and (math.isfinite(self.clip) or self.noise_multiplier == 0
+                                   or plain_local)):
             # inf only for a non-private baseline (no noise: epsilon inf, which no device
-            # budget can pay; a simulator's unlimited Book only, plan15 R5)
+            # budget can pay; a simulator's unlimited Book only, plan15 R5), or device-dp
+            # with plain local SGD, whose noise (std z S) is on the whole clipped update
             raise ValueError(f"clip must be finite and > 0 (inf only with noise_multiplier "
                              f"0), got {self.clip!r}")
         if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
@@ -252,6 +269,18 @@ class RoundPolicy:
         if z_l and self.mechanism != "device-dp":
             raise ValueError(f"local_noise_multiplier is a setting of mechanism 'device-dp', "
                              f"but mechanism is {self.mechanism!r}: remove it")
+        q = self.adaptive_clip_quantile
+        if q is not None:
+            if self.mechanism != "device-dp":
+                raise ValueError(f"adaptive_clip_quantile is a setting of mechanism "
+                                 f"'device-dp', but mechanism is {self.mechanism!r}")
+            if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 < q < 1:
+                raise ValueError(f"adaptive_clip_quantile must be in (0, 1), got {q!r}")
+        for name in ("adaptive_clip_lr", "indicator_ratio"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                    math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be finite and > 0, got {v!r}")
         if self.ring_bound not in device_dp.RING_BOUNDS:
             raise ValueError(f"ring_bound must be one of {device_dp.RING_BOUNDS}, "
                              f"got {self.ring_bound!r}")
@@ -405,12 +434,17 @@ def _device_dp(policy: RoundPolicy, dim: int, cohort_size: int) -> tuple[Record,
     assert policy.update_clip is not None and policy.gamma is not None  # __post_init__
     params, bits, length = device_dp.device_dp_public(
         steps=policy.steps, batch_size=policy.batch_size, lr=float(policy.lr),
-        sampling=policy.sampling, local_clip=float(policy.clip),
+        # the wire's local_clip is finite; with plain local SGD the device ignores it
+        # (DeviceDpParams), so an unbounded per-sample clip travels as S
+        sampling=policy.sampling,
+        local_clip=float(policy.clip if math.isfinite(policy.clip) else policy.update_clip),
         local_noise_multiplier=float(policy.local_noise_multiplier),
         update_clip=float(policy.update_clip), gamma=float(policy.gamma),
         noise_multiplier=float(policy.noise_multiplier), sparsity=float(policy.sparsity),
         dim=dim, cohort_size=cohort_size, honest=honest,
-        wrap_probability=policy.wrap_probability, ring_bound=policy.ring_bound)
+        wrap_probability=policy.wrap_probability, ring_bound=policy.ring_bound,
+        indicator_scale=(0.0 if policy.adaptive_clip_quantile is None
+                         else 2.0 * policy.indicator_ratio * float(policy.update_clip)))
     return params, length, bits
 
 
@@ -524,14 +558,39 @@ def short_of_survivors(stage: str, answered: int, *, min_survivors: int,
     return None
 
 
+def next_update_clip(policy: RoundPolicy, update_clip: float, quantile: float | None,
+                     ) -> float:
+    """Adaptive clipping's next S (Andrew et al. 2021, geometric update): S exp(-lr (b_hat -
+    gamma_q)) from the round's noised fraction ``quantile`` b_hat of devices whose update
+    norm was <= S; S unchanged without adaptive clipping or without a fraction (a failed
+    round). Post-processing of the released sum: no privacy cost."""
+    if policy.adaptive_clip_quantile is None or quantile is None:
+        return update_clip
+    return update_clip * math.exp(-policy.adaptive_clip_lr
+                                  * (quantile - policy.adaptive_clip_quantile))
+
+
+def with_update_clip(policy: RoundPolicy, update_clip: float) -> RoundPolicy:
+    """``policy`` for a round at clip S = ``update_clip`` (adaptive clipping), gamma scaled
+    with it so that S / gamma, and with it the integer grid and the ring, stay the plan's."""
+    if policy.update_clip is None or update_clip == policy.update_clip:
+        return policy
+    assert policy.gamma is not None  # device-dp: __post_init__
+    return dataclasses.replace(policy, update_clip=update_clip,
+                               gamma=policy.gamma * update_clip / policy.update_clip)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Finished:
     """What a completed round makes: ``params`` (float32, graph order), the optimizer's
-    new ``opt_state``, and ``delta``, the decoded model delta the optimizer applied."""
+    new ``opt_state``, ``delta``, the decoded model delta the optimizer applied, and
+    ``quantile``, adaptive clipping's noised fraction b_hat (None without it), which
+    :func:`next_update_clip` turns into the next round's S."""
 
     params: list[np.ndarray]
     opt_state: Any
     delta: list[np.ndarray]
+    quantile: float | None = None
 
 
 def server_half(plan: RoundPlan, *, dim: int) -> ServerHalf:
@@ -560,4 +619,4 @@ def finish(plan: RoundPlan, total: np.ndarray, survivors: int, *,
                              coords=coordinates(plan, dim=dim))
     new, state = optimizer.update(delta, opt_state, model)
     return Finished(params=[np.asarray(p, dtype=np.float32) for p in new], opt_state=state,
-                    delta=delta)
+                    delta=delta, quantile=server.quantile(total, survivors))

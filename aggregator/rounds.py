@@ -93,10 +93,12 @@ from aggregator.round_core import (
     draw_plan,
     eligible_devices,
     finish,
+    next_update_clip,
     round_secrets,
     server_half,
     short_of_survivors,
     too_few_eligible,
+    with_update_clip,
 )
 from aggregator.secagg_server import CLOSE, RECV, SecAggServer, ServerStage
 from edge_sdk import wire
@@ -141,8 +143,9 @@ __all__ = [
 logger = logging.getLogger("aggregator.rounds")
 
 SNAPSHOT_FORMAT = "fedge-rounds"
-SNAPSHOT_VERSION = 3  # 2: protocol 4 (masked parts replayed by the server; no reassembler);
-# 3: protocol 5 (the held check-ins state spent and budget)
+SNAPSHOT_VERSION = 4  # 2: protocol 4 (masked parts replayed by the server; no reassembler);
+# 3: protocol 5 (the held check-ins state spent and budget); 4: protocol 6 (device-dp's S,
+# which adaptive clipping moves, is round state)
 _HISTORY = 32  # outcomes kept (the snapshot stays bounded over a long-lived fleet)
 _RESENDS = 3  # re-sends of a stage's requests, at 1/4, 2/4 and 3/4 of its timeout
 _EVENTS = 4096  # events kept for a driver that does not take them (oldest dropped)
@@ -424,6 +427,8 @@ class RoundMachine:
             raise ValueError("initial params must be finite")
         check_plannable(policy, dim=self.dimension)  # a round start never meets the error
         self._opt_state = self._opt.init(self._params)
+        # device-dp's S, which adaptive clipping moves round by round (round_core)
+        self._update_clip = None if policy.update_clip is None else float(policy.update_clip)
         self._version = 0
         self._last_round = 0
         self._available: dict[str, CheckIn] = {}
@@ -753,6 +758,8 @@ class RoundMachine:
                       opt_state=self._opt_state)
         self._params = done.params
         self._opt_state = done.opt_state
+        if self._update_clip is not None:
+            self._update_clip = next_update_clip(self.policy, self._update_clip, done.quantile)
         self._version += 1
         self._model_round = plan.round_id
         self._model_msg = self._sign_model(plan.round_id)
@@ -836,6 +843,8 @@ class RoundMachine:
         round_id = self._last_round + 1
         cohort = draw_cohort(eligible, policy=pol, round_id=round_id)
         n = len(cohort)
+        if self._update_clip is not None:  # adaptive clipping's current S
+            pol = with_update_clip(pol, self._update_clip)
         plan = wire.sign(draw_plan(pol, round_id=round_id, model_version=self._version,
                                    cohort=cohort, dim=self.dimension,
                                    random_bytes=self._random), self._idn)
@@ -890,6 +899,7 @@ class RoundMachine:
             "last_round": self._last_round,
             "params": [WireArray.of(p).to_wire() for p in self._params],
             "opt_state": [WireArray.of(a).to_wire() for a in _tree_leaves(self._opt_state)],
+            "update_clip": self._update_clip,
             "available": [wire.encode(c) for _, c in sorted(self._available.items())],
             "startable_since": self._startable_since,
             "history": [
@@ -973,6 +983,13 @@ class RoundMachine:
         if leaves:
             raise SnapshotError("optimizer state has more leaves than the optimizer")
         m._version = s["version"]
+        # snapshots from before adaptive clipping: S was the policy's
+        m._update_clip = s.get("update_clip", policy.update_clip)
+        u = m._update_clip
+        if (u is None) != (policy.update_clip is None) or (u is not None and not (
+                isinstance(u, float) and math.isfinite(u) and u > 0)):
+            raise SnapshotError(f"the snapshot's update_clip {u!r} is not a finite S > 0 "
+                                f"(the policy's: {policy.update_clip!r})")
         m._last_round = s["last_round"]
         m._available = {}
         for raw in s["available"]:

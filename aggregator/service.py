@@ -217,7 +217,8 @@ class AggregatorConfig:
             max_local_samples = 500      # gamma and the fleet's public largest and mean
             nominal_samples = 120.0      # local data sizes (RoundPolicy says which);
                                          # "device-dp" needs update_clip (S) and gamma
-                                         # (local_noise_multiplier: optional DP-SGD)
+                                         # (local_noise_multiplier: optional DP-SGD;
+                                         # adaptive_clip_quantile: adaptive clipping)
         """
         data, base = read_toml(path)
         pol_fields = {f.name for f in fields(RoundPolicy)} - {"fleet"}

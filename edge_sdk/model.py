@@ -48,6 +48,8 @@ __all__ = [
     "UnsupportedLayer",
     "build_spec",
     "cnn",
+    "dscnn_har",
+    "dscnn_kws",
     "conv_geometry",
     "conv_out_size",
     "flatten_params",
@@ -714,7 +716,60 @@ def cnn(input_shape: Sequence[int], num_classes: int) -> ModelSpec:
     )
 
 
-ZOO = {"logreg": logreg, "mlp": mlp, "tabular": tabular, "cnn": cnn}
+def dscnn_har(input_shape: Sequence[int], num_classes: int) -> ModelSpec:
+    """A depthwise-separable 1-D CNN for sensor time series: 3-axis accelerometer windows
+    of 128 samples ([3, 128]). A strided stem (3 -> 16 channels, kernel 5, stride 2), two
+    depthwise (groups = channels, kernel 3) + pointwise (1x1) blocks (16 -> 24 -> 32, the
+    second depthwise strided), global average pooling over time, one linear layer: 1,822
+    parameters at 6 classes, no normalization (GroupNorm would also do; BatchNorm mixes
+    samples and is refused)."""
+    if tuple(input_shape) != (3, 128):
+        raise ValueError(f"dscnn-har takes (3, 128) sensor windows, got input shape "
+                         f"{tuple(input_shape)}")
+    return ModelSpec(
+        name="dscnn-har",
+        input_shape=(3, 128),
+        num_classes=num_classes,
+        layers=(
+            Conv1d(in_channels=3, out_channels=16, kernel=5, stride=2, padding=2), Relu(),
+            Conv1d(in_channels=16, out_channels=16, kernel=3, padding=1, groups=16), Relu(),
+            Conv1d(in_channels=16, out_channels=24, kernel=1), Relu(),
+            Conv1d(in_channels=24, out_channels=24, kernel=3, stride=2, padding=1,
+                   groups=24), Relu(),
+            Conv1d(in_channels=24, out_channels=32, kernel=1), Relu(),
+            GlobalAvgPool(dims=1), Flatten(),
+            Linear(in_features=32, out_features=num_classes),
+        ),
+    )
+
+
+def dscnn_kws(input_shape: Sequence[int], num_classes: int) -> ModelSpec:
+    """A DS-CNN for keyword spotting in the style of "Hello Edge" (Zhang, Suda, Lai,
+    Chandra 2017), scaled down: MFCC-like frames [1, 49, 10] (49 time steps x 10
+    coefficients), a strided 3x3 stem to 32 channels, two depthwise 3x3 + pointwise 1x1
+    blocks of 32 channels, global average pooling, one linear layer: 3,336 parameters at
+    8 classes. (The paper's stem is a 10x4 kernel; the zoo's Conv2d is square.)"""
+    if tuple(input_shape) != (1, 49, 10):
+        raise ValueError(f"dscnn-kws takes (1, 49, 10) MFCC frames, got input shape "
+                         f"{tuple(input_shape)}")
+    return ModelSpec(
+        name="dscnn-kws",
+        input_shape=(1, 49, 10),
+        num_classes=num_classes,
+        layers=(
+            Conv2d(in_channels=1, out_channels=32, kernel=3, stride=2, padding=1), Relu(),
+            Conv2d(in_channels=32, out_channels=32, kernel=3, padding=1, groups=32), Relu(),
+            Conv2d(in_channels=32, out_channels=32, kernel=1), Relu(),
+            Conv2d(in_channels=32, out_channels=32, kernel=3, padding=1, groups=32), Relu(),
+            Conv2d(in_channels=32, out_channels=32, kernel=1), Relu(),
+            GlobalAvgPool(dims=2), Flatten(),
+            Linear(in_features=32, out_features=num_classes),
+        ),
+    )
+
+
+ZOO = {"logreg": logreg, "mlp": mlp, "tabular": tabular, "cnn": cnn, "dscnn-har": dscnn_har,
+       "dscnn-kws": dscnn_kws}
 
 
 def build_spec(arch: str, input_shape: Sequence[int], num_classes: int) -> ModelSpec:

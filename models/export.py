@@ -44,11 +44,15 @@ def variant_name(arch: str, input_shape: tuple[int, ...], num_classes: int) -> s
 
 
 # What the bundled data sets need: Fashion-MNIST (1x28x28, 10), digits (64, 10),
-# breast-cancer (30, 2).
+# breast-cancer (30, 2); and the generated synthetic-har (3x128, 6) and synthetic-kws
+# (1x49x10, 8).
 VARIANTS: tuple[Variant, ...] = (
     *(Variant(arch=a, input_shape=(1, 28, 28), num_classes=10) for a in ("logreg", "mlp", "cnn")),
     *(Variant(arch=a, input_shape=(64,), num_classes=10) for a in ("logreg", "mlp", "tabular")),
     *(Variant(arch=a, input_shape=(30,), num_classes=2) for a in ("logreg", "mlp", "tabular")),
+    # the example models (issue 17) on their generated data sets (tools.datasets)
+    Variant(arch="dscnn-har", input_shape=(3, 128), num_classes=6),
+    Variant(arch="dscnn-kws", input_shape=(1, 49, 10), num_classes=8),
 )
 
 

@@ -386,7 +386,7 @@ def test_claimed_epsilon_is_not_below_the_exact_worst_case(z: float, honest: int
         _tiny_plan(honest + 1), params=wire.DeviceDpParams(
             steps=1, batch_size=1, lr=0.1, sampling="poisson", local_clip=1.0,
             local_noise_multiplier=0.0, update_clip=s, gamma=gamma, noise_multiplier=z,
-            sigma=sigma, sparsity=1.0)), dim=4)
+            sigma=sigma, sparsity=1.0, indicator_scale=0.0)), dim=4)
     _, event = DeviceDpDevice(rnd).events(m=10, honest=honest)
     d2 = event.l2_sensitivity / 2
     assert event.adjacency == "substitution"
@@ -416,7 +416,8 @@ def _tiny_plan(min_survivors: int) -> wire.RoundPlan:
                                         bits=20, length=4)
     params = wire.DeviceDpParams(steps=1, batch_size=1, lr=0.1, sampling="poisson",
                                  local_clip=1.0, local_noise_multiplier=0.0, update_clip=2.0,
-                                 gamma=1.0, noise_multiplier=0.0, sigma=0.0, sparsity=1.0)
+                                 gamma=1.0, noise_multiplier=0.0, sigma=0.0, sparsity=1.0,
+                                 indicator_scale=0.0)
     return wire.RoundPlan(
         round_id=1, model_version=0, cohort=cfg.cohort, mechanism="device-dp",
         params=params, round_seed=bytes(range(32)), bits=20, length=4, nonce=cfg.nonce,
@@ -610,3 +611,124 @@ def test_sessions_publish_the_noise_decline(tmp_path, digits, engine) -> None:
         assert fleet.machine.history[0].completed is False
     finally:
         fleet.close()
+
+
+def test_device_dp_needs_no_per_sample_clip_on_either_path(tmp_path) -> None:
+    """device-dp's noise multiplier is the device-level one (std z S on the sum): its plain
+    local SGD needs no per-sample clip C, on the fast path or the fleet's; the plan states
+    S in the wire's (finite, unused) local_clip."""
+    import json
+
+    from tools.cli import main
+
+    common = ["simulate", "--mechanism", "device-dp", "--dataset", "digits", "--model",
+              "logreg", "--devices", "6", "--participation", "1", "--rounds", "1",
+              "--local-steps", "2", "--update-clip", "0.5", "--noise-multiplier", "2",
+              "--seed", "4", "--quiet"]
+    assert main([*common, "--json-out", str(tmp_path / "fast.json")]) == 0
+    assert main([*common, "--secagg", "--transport", "inproc", "--workdir",
+                 str(tmp_path / "w"), "--json-out", str(tmp_path / "fleet.json")]) == 0
+    fast, fleet = (json.loads((tmp_path / f).read_text()) for f in ("fast.json", "fleet.json"))
+    assert fast["config"]["clip"] is None  # inf: no per-sample clipping
+    assert fast["model_sha256"] == fleet["model_sha256"]
+    assert fast["epsilon_device"] == fleet["epsilon_device"] > 0
+    # the same run with a per-sample clip stated: plain local SGD ignores it, same model
+    assert main([*common, "--clip", "0.01", "--json-out", str(tmp_path / "c.json")]) == 0
+    clipped = json.loads((tmp_path / "c.json").read_text())
+    assert clipped["model_sha256"] == fast["model_sha256"]
+    assert (clipped["epsilon"], clipped["epsilon_device"]) == (fast["epsilon"],
+                                                               fast["epsilon_device"])
+
+
+# ------------------------------------------------------------- adaptive clipping (issue 16)
+
+
+def test_next_update_clip_is_andrew_et_als_geometric_step() -> None:
+    from aggregator.round_core import next_update_clip
+
+    pol = _policy(adaptive_clip_quantile=0.5, adaptive_clip_lr=0.2)
+    # by hand: S exp(-eta (b_hat - gamma_q))
+    assert next_update_clip(pol, 1.0, 0.8) == pytest.approx(math.exp(-0.06), rel=1e-15)
+    assert next_update_clip(pol, 2.0, 0.5) == 2.0  # at the target quantile: unchanged
+    assert next_update_clip(pol, 1.0, 0.0) > 1.0  # every norm above S: S grows
+    assert next_update_clip(pol, 1.0, None) == 1.0  # a round without a fraction: unchanged
+    assert next_update_clip(_policy(), 1.0, 0.9) == 1.0  # fixed clipping
+    with pytest.raises(ValueError, match="adaptive_clip_quantile must be in"):
+        _policy(adaptive_clip_quantile=1.0)
+    with pytest.raises(ValueError, match="setting of mechanism 'device-dp'"):
+        RoundPolicy(fleet=FLEET, cohort_size=8, adaptive_clip_quantile=0.5)
+
+
+def test_the_clip_converges_to_the_target_quantile_of_the_norms() -> None:
+    """The rule's fixed point is the target quantile: iterated on exact fractions of a
+    fixed sample of norms (no noise), S ends within a few percent of that quantile."""
+    from aggregator.round_core import next_update_clip
+
+    norms = np.random.default_rng(0).lognormal(mean=-1.0, sigma=0.5, size=2000)
+    for q in (0.2, 0.5, 0.8):
+        pol = _policy(adaptive_clip_quantile=q, adaptive_clip_lr=0.2)
+        s = 10.0
+        for _ in range(400):
+            s = next_update_clip(pol, s, float(np.mean(norms <= s)))
+        assert s == pytest.approx(float(np.quantile(norms, q)), rel=0.05)
+
+
+def test_the_indicator_rides_in_the_same_release(model) -> None:
+    """With adaptive clipping the plan's indicator scale c is 2 r S, the released vector's
+    bound S_joint = sqrt(S^2 + c^2/4) (one more coordinate before padding), sigma carries
+    z S_joint over the honest shares, and the events are the joint vector's: a round costs
+    what fixed clipping at the same z costs (same S_joint / gamma ratio per unit noise)."""
+    fixed = _plan(model, _policy())
+    ada = _plan(model, _policy(adaptive_clip_quantile=0.5, indicator_ratio=0.4))
+    c = ada.params.indicator_scale
+    assert fixed.params.indicator_scale == 0.0 and c == pytest.approx(2 * 0.4 * S)
+    r = DeviceDpRound.from_plan(ada, dim=model["d"])
+    assert r.values == model["d"] + 1 and r.length == ddp.padded_dim(model["d"] + 1)
+    assert r.bound == pytest.approx(math.hypot(S, c / 2))
+    honest = ada.min_survivors - ada.max_colluders
+    assert honest * share_variance(r.sigma) >= (r.bound / GAMMA) ** 2  # z = 1
+    half = DeviceDpDevice(r)
+    assert half.refusal(honest=honest) is None
+    ev = half.device_event(honest=honest)
+    fixed_ev = DeviceDpDevice(DeviceDpRound.from_plan(fixed, dim=model["d"])).device_event(
+        honest=honest)
+    e_ada = discrete_epsilon(ev, DELTA)
+    e_fixed = discrete_epsilon(fixed_ev, DELTA)
+    assert e_ada == pytest.approx(e_fixed, rel=0.02)  # the same z on the joint bound
+
+
+def test_the_server_reads_the_fraction_within_the_clip(model) -> None:
+    """Noise-free round: the decoded fraction is the fraction of survivors whose update
+    norm was <= S (to the integer grid's error), and the update is the clipped mean."""
+    plan = _plan(model, _policy(noise_multiplier=0.0, adaptive_clip_quantile=0.5))
+    survivors = plan.cohort
+    prepared = {}
+    for i, name in enumerate(plan.cohort):
+        out = _open(model, plan, name, _book(False), seed=40 + i)
+        assert isinstance(out, Prepared), out
+        prepared[name] = out
+    acc = PlainSum.for_config(prepared[plan.cohort[0]].config, vanished={})
+    for name in acc.survivors:
+        acc.add(name, prepared[name].contribution.values)
+    d = model["d"]
+    server = server_half(plan, dim=d)
+    norms = []
+    for i, name in enumerate(survivors):
+        settings = DeviceDpRound.from_plan(plan, dim=d)
+        x, y = model["shards"][name]
+        update, _ = local_update(model["eng"], model["params"], x, y, settings.training,
+                                 seeded_round_rng(40 + i)(plan.round_id))
+        norms.append(float(np.linalg.norm(update)))
+    want = float(np.mean(np.array(norms) <= S))
+    assert 0 < want < 1  # S = 0.27 sits inside these updates' norms
+    got = server.quantile(acc.total(), len(survivors))
+    assert got == pytest.approx(want, abs=0.01)
+    delta, _ = server.decode(acc.total(), len(survivors), server.init(model["params"]),
+                             coords=None)
+    flat = np.concatenate([p.reshape(-1) for p in delta]).astype(np.float64)
+    clipped = np.mean([_expected(model, plan, n, 40 + i) for i, n in enumerate(survivors)],
+                      axis=0)
+    assert np.abs(flat - clipped).max() < 4 * GAMMA
+    # a fixed-clipping round has no fraction to read
+    plain = _plan(model, _policy(noise_multiplier=0.0))
+    assert server_half(plain, dim=d).quantile(acc.total(), len(survivors)) is None

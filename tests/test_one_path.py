@@ -23,7 +23,11 @@ MECHANISMS = {"gaussian": {}, "gaussian-randk-qsgd": {"sparsity": 0.1, "quant_le
               "update-noise": {"mechanism": "update-noise"},
               "ddg": {"mechanism": "ddg", "local_steps": 1},
               "binomial": {"mechanism": "binomial", "binomial_trials": 1024, "quant_levels": 31},
-              "device-dp": {"mechanism": "device-dp", "update_clip": 1.0}}
+              "device-dp": {"mechanism": "device-dp", "update_clip": 1.0},
+              # adaptive clipping: S is round state on both paths (round_core, the round
+              # machine and its snapshot, the fast simulator's loop)
+              "device-dp-adaptive": {"mechanism": "device-dp", "update_clip": 1.0,
+                                     "adaptive_clip_quantile": 0.5}}
 
 
 def _config(mechanism: str, **more: Any) -> SimConfig:
@@ -77,7 +81,9 @@ def test_fast_simulator_and_inproc_fleet_give_the_same_model(
     assert fast["epsilon_device"] == fleet["epsilon_device"]
     assert ([r["epsilon_device"] for r in fast["rounds"]]
             == [r["epsilon_device"] for r in fleet["rounds"]])
-    if mechanism == "device-dp":
+    if mechanism == "device-dp-adaptive":  # S moved with the rounds' noised fractions
+        assert len({r["update_clip"] for r in fast["rounds"]}) > 1
+    if mechanism.startswith("device-dp"):
         assert fast["epsilon_device"] == max(fast["device_level_epsilon"].values()) > 0
         # below the sample-level figures: one sample's change is bounded by the device's
         # substitution, twice the zero-out sensitivity
@@ -123,6 +129,7 @@ def test_a_different_dropout_seed_gives_another_model() -> None:
     pytest.param("gaussian-randk-qsgd", marks=pytest.mark.slow),
     pytest.param("update-noise", marks=pytest.mark.slow),
     pytest.param("ddg", marks=pytest.mark.slow),
+    pytest.param("device-dp-adaptive", marks=pytest.mark.slow),
 ])
 def test_fast_simulator_and_mqtt_fleet_give_the_same_model(
         mechanism: str, tmp_path: Path, digits: Any, engine: Any) -> None:

@@ -34,6 +34,7 @@ from aggregator.round_core import (
     select_cohort,
     server_half,
     too_few_eligible,
+    with_update_clip,
 )
 from aggregator.rounds import RoundMachine, SnapshotError
 from aggregator.rounds import RoundPolicy as ReExported
@@ -353,3 +354,34 @@ def test_a_policy_the_model_cannot_be_planned_for_is_refused_before_any_round() 
     with pytest.raises(ValueError, match="62"):
         RoundMachine(policy=pol, identity=identity, registry=registry,
                      params=[np.zeros(100, np.float32)])
+
+
+def test_adaptive_clip_state_survives_a_snapshot(tmp_path, digits, engine) -> None:
+    """device-dp's S under adaptive clipping is the round machine's state: a snapshot
+    carries it, a restore resumes from it (the next plan states it), and a snapshot from
+    before the field restores at the policy's S; a bad stored S is refused."""
+    dp = {"mechanism": "device-dp", "update_clip": 1.0, "gamma": 1.0 / 1024,
+          "adaptive_clip_quantile": 0.5, "steps": 2}
+    fleet = Fleet(tmp_path, digits, engine, rounds=0, policy=dp)
+    fleet.machine._update_clip = 0.625  # as if the rounds had moved it
+    snap = fleet.machine.snapshot()
+    m = RoundMachine.restore(snap, policy=fleet.policy, identity=fleet.agg_id,
+                             registry=fleet.registry)
+    assert m._update_clip == 0.625
+    pol = with_update_clip(fleet.policy, 0.625)
+    assert pol.gamma == pytest.approx(0.625 / 1024)  # S / gamma stays the plan's
+    cohort = tuple(sorted(fleet.sessions))[:4]
+    plan = draw_plan(pol, round_id=1, model_version=0, cohort=cohort,
+                     dim=fleet.machine.dimension, random_bytes=_Source())
+    assert plan.params.update_clip == 0.625
+    assert plan.params.indicator_scale == pytest.approx(2 * 0.4 * 0.625)
+    raw = msgpack.unpackb(snap, raw=False)
+    del raw["update_clip"]
+    old = RoundMachine.restore(msgpack.packb(raw, use_bin_type=True), policy=fleet.policy,
+                               identity=fleet.agg_id, registry=fleet.registry)
+    assert old._update_clip == 1.0
+    raw["update_clip"] = float("nan")
+    with pytest.raises(SnapshotError, match="update_clip"):
+        RoundMachine.restore(msgpack.packb(raw, use_bin_type=True), policy=fleet.policy,
+                             identity=fleet.agg_id, registry=fleet.registry)
+    fleet.close()

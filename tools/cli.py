@@ -70,6 +70,12 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--update-clip", type=float,
                    help="update-noise, binomial: L2 bound S on the update (default E*lr*C); "
                         "device-dp: S (required)")
+    p.add_argument("--adaptive-clip-quantile", type=float,
+                   help="device-dp: adaptive clipping (Andrew et al. 2021): S follows this "
+                        "quantile of the devices' update norms (from --update-clip), the "
+                        "indicator released with the update and accounted with it")
+    p.add_argument("--adaptive-clip-lr", type=float,
+                   help="device-dp: adaptive clipping's geometric step (default 0.2)")
     p.add_argument("--weighting", choices=["uniform"],
                    help="the sum is unweighted (a key of older configs; weights by data "
                         "size would reveal each device's m)")
@@ -121,7 +127,8 @@ def _simulate(args: argparse.Namespace) -> int:
     keys = ["dataset", "model", "devices", "participation", "rounds", "local_steps",
             "batch_size", "lr", "clip", "noise_multiplier", "delta", "partition", "sampling",
             "server_lr", "server_opt", "weighting", "backend", "threads", "eval_every",
-            "seed", "mechanism", "sparsity", "quant_levels", "update_clip", "binomial_trials",
+            "seed", "mechanism", "sparsity", "quant_levels", "update_clip",
+            "adaptive_clip_quantile", "adaptive_clip_lr", "binomial_trials",
             "ddg_gamma", "transport", "secagg", "dropout", "stage_timeout", "value_bound",
             "budget_epsilon", "min_survivors", "max_colluders"]
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}

@@ -1,9 +1,14 @@
-"""Data sets for simulated fleets: Fashion-MNIST (Debian package) and sklearn's bundled sets.
+"""Data sets for simulated fleets: Fashion-MNIST (Debian package), sklearn's bundled sets, and
+two GENERATED sets for the sensor and keyword-spotting example models.
 
 Nothing is downloaded at run time. Fashion-MNIST comes from the Debian package
 ``dataset-fashion-mnist`` (IDX files under /usr/share/datasets/fashion-mnist); ``digits``
-and ``breast-cancer`` ship inside scikit-learn. Loaded sets are cached in-process and
-returned read-only so the cache cannot be corrupted by a caller.
+and ``breast-cancer`` ship inside scikit-learn. ``synthetic-har`` and ``synthetic-kws`` are
+generated here from fixed seeds (numpy only; no real recordings are bundled on this machine),
+and their names say so: :func:`synthetic_har` (3-axis accelerometer-like windows, one
+activity per class) and :func:`synthetic_kws` (MFCC-like frames, one keyword per class).
+Loaded sets are cached in-process and returned read-only so the cache cannot be corrupted
+by a caller.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["DATASETS", "Dataset", "DatasetMissing", "load_dataset", "read_idx"]
+__all__ = ["DATASETS", "Dataset", "DatasetMissing", "load_dataset", "read_idx", "synthetic_har",
+           "synthetic_kws"]
 
-DATASETS = ("fashion-mnist", "digits", "breast-cancer")
+DATASETS = ("fashion-mnist", "digits", "breast-cancer", "synthetic-har", "synthetic-kws")
+GENERATED = ("synthetic-har", "synthetic-kws")
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 # Fashion-MNIST training-set pixel mean and std (after scaling to [0, 1]).
 _FMNIST_MEAN, _FMNIST_STD = 0.2860, 0.3530
@@ -132,9 +139,67 @@ def _sklearn(name: str) -> Dataset:
     )
 
 
+def _split(name: str, x: np.ndarray, y: np.ndarray, classes: int, n_test: int) -> Dataset:
+    """The last ``n_test`` of a generated set (already in random order) as its test split."""
+    return Dataset(name=name,
+                   x_train=np.ascontiguousarray(x[:-n_test], dtype=np.float32),
+                   y_train=y[:-n_test].astype(np.int64),
+                   x_test=np.ascontiguousarray(x[-n_test:], dtype=np.float32),
+                   y_test=y[-n_test:].astype(np.int64), num_classes=classes)
+
+
+def synthetic_har(n: int = 6000, *, seed: int = 0, classes: int = 6,
+                  length: int = 128) -> Dataset:
+    """GENERATED accelerometer-like windows [3, length] (not recordings): class c is an
+    activity whose three axes oscillate at its own frequencies f_c = (0.6 + 0.45 c) cycles
+    per 32 samples on axis 0, 1.3 f_c on axis 1, 0.7 f_c on axis 2, each with a random
+    phase, an amplitude in [0.6, 1.4], a class-specific gravity offset on one axis and
+    Gaussian noise of std 0.5 (so neighbouring classes overlap). Balanced classes, random
+    order from ``seed``; the last 1/6 is the test split."""
+    rng = np.random.default_rng([seed, 0x4A52])
+    y = rng.permutation(np.arange(n) % classes)
+    t = np.arange(length, dtype=np.float64) / 32.0
+    f = 0.6 + 0.45 * y[:, None, None] * np.array([1.0, 1.3, 0.7])[None, :, None]
+    phase = rng.uniform(0, 2 * np.pi, size=(n, 3, 1))
+    amp = rng.uniform(0.6, 1.4, size=(n, 3, 1))
+    x = amp * np.sin(2 * np.pi * f * t[None, None, :] + phase)
+    x[np.arange(n), y % 3, :] += 0.5 * (1 + y // 3)[:, None]  # gravity on one axis
+    x += rng.normal(0.0, 0.5, size=x.shape)
+    return _split("synthetic-har", x, y, classes, n // 6)
+
+
+def synthetic_kws(n: int = 6000, *, seed: int = 0, classes: int = 8, frames: int = 49,
+                  coeffs: int = 10) -> Dataset:
+    """GENERATED MFCC-like frames [1, frames, coeffs] (not speech): keyword c is a smooth
+    random spectral envelope over the coefficients (its own template from ``seed``), spoken
+    for 15-30 frames starting at a random time, its envelope drifting by up to one
+    coefficient over the utterance; silence and Gaussian noise of std 0.6 elsewhere and on
+    top. Balanced classes, random order from ``seed``; the last 1/6 is the test split."""
+    rng = np.random.default_rng([seed, 0x4B57])
+    templates = rng.normal(0.0, 1.0, size=(classes, coeffs))
+    templates = (templates + np.roll(templates, 1, axis=1)) / 2  # smooth envelopes
+    y = rng.permutation(np.arange(n) % classes)
+    x = rng.normal(0.0, 0.6, size=(n, 1, frames, coeffs))
+    lengths = rng.integers(15, 31, size=n)
+    starts = rng.integers(0, frames - lengths + 1)
+    drift = rng.uniform(-1.0, 1.0, size=n)
+    grid = np.arange(coeffs, dtype=np.float64)
+    for i in range(n):
+        steps = np.arange(lengths[i])
+        shift = drift[i] * steps / max(1, lengths[i] - 1)
+        env = np.stack([np.interp(grid - s, grid, templates[y[i]]) for s in shift])
+        x[i, 0, starts[i]:starts[i] + lengths[i]] += 1.5 * env
+    return _split("synthetic-kws", x, y, classes, n // 6)
+
+
 @functools.lru_cache(maxsize=8)
 def _load(name: str, root: str) -> Dataset:
-    ds = _fashion_mnist(Path(root)) if name == "fashion-mnist" else _sklearn(name)
+    if name == "synthetic-har":
+        ds = synthetic_har()
+    elif name == "synthetic-kws":
+        ds = synthetic_kws()
+    else:
+        ds = _fashion_mnist(Path(root)) if name == "fashion-mnist" else _sklearn(name)
     _readonly(ds.x_train, ds.y_train, ds.x_test, ds.y_test)
     return ds
 

@@ -91,6 +91,10 @@ class SimConfig:
     sparsity: float = 1.0
     quant_levels: int = 0
     update_clip: float | None = None
+    # device-dp: adaptive clipping (Andrew et al. 2021) toward this quantile of the devices'
+    # update norms, S' = S exp(-lr (b_hat - quantile)); None: S fixed
+    adaptive_clip_quantile: float | None = None
+    adaptive_clip_lr: float = 0.2
     binomial_trials: int = 4096
     ddg_gamma: float | None = None
     backend: str = "onnx"
@@ -222,7 +226,7 @@ class SimConfig:
             raise ValueError(f"secure aggregation runs mechanisms {sorted(MECHANISMS)} "
                              f"({self.mechanism} is simulation-only), got "
                              f"{self.mechanism!r}")
-        if not math.isfinite(self.clip):
+        if not math.isfinite(self.clip) and self.mechanism != "device-dp":  # its bound: S
             raise ValueError("secure aggregation needs a finite clip (the devices' ledgers "
                              "and the fixed-point range depend on it)")
         if not self.noise_multiplier > 0 and self.mechanism != "binomial":  # its noise: trials
@@ -261,7 +265,9 @@ class SimConfig:
             batch_size=self.batch_size,
             lr=self.lr,
             clip=self.clip,
-            noise_multiplier=self.noise_multiplier,
+            # device-dp's noise multiplier is the device-level one, on the whole update
+            # (std z S over the honest shares): its local steps are plain SGD
+            noise_multiplier=0.0 if self.mechanism == "device-dp" else self.noise_multiplier,
             sampling=self.sampling,  # type: ignore[arg-type]
             sparsity=self.sparsity,
         )
@@ -307,7 +313,9 @@ def round_policy(cfg: SimConfig, sizes: list[int], *, stage_timeout: float | Non
                  "levels": cfg.quant_levels or 127}
         quant_levels = 0
     elif cfg.mechanism == "device-dp":
-        extra = {"update_clip": cfg.update_clip, "gamma": cfg.gamma}
+        extra = {"update_clip": cfg.update_clip, "gamma": cfg.gamma,
+                 "adaptive_clip_quantile": cfg.adaptive_clip_quantile,
+                 "adaptive_clip_lr": cfg.adaptive_clip_lr}
     return RoundPolicy(
         fleet=FLEET_NAME, cohort_size=cfg.cohort_size,
         stage_timeout=cfg.stage_timeout if stage_timeout is None else stage_timeout,

@@ -68,11 +68,13 @@ from aggregator.round_core import (
     eligible_devices,
     finish,
     mechanism_params,
+    next_update_clip,
     round_secrets,
     select_cohort,
     server_half,
     short_of_survivors,
     too_few_eligible,
+    with_update_clip,
 )
 from edge_sdk import compress
 from edge_sdk.csprng import seeded_round_rng
@@ -236,6 +238,8 @@ def simulate(cfg: SimConfig, *, out: TextIO | None = None) -> dict[str, Any]:
     sizes = [len(idx) for idx in shards]
     binomial = cfg.mechanism == "binomial"
     policy = round_policy(cfg, sizes)
+    # device-dp's S, which adaptive clipping moves round by round (as the round machine)
+    update_clip = None if policy.update_clip is None else float(policy.update_clip)
     # each device's randomness: round r's generator from its fleet seed, as the fleet's
     # DeviceSession gets it (csprng.seeded_round_rng)
     round_rngs = {n: seeded_round_rng(device_seed(cfg.seed, i)) for i, n in enumerate(names)}
@@ -292,8 +296,10 @@ def simulate(cfg: SimConfig, *, out: TextIO | None = None) -> dict[str, Any]:
                 rounds[-1]["accuracy"] = acc_hist[-1]
             break
         cohort = draw_cohort(eligible, policy=policy, round_id=rnd)
-        plan = draw_plan(policy, round_id=rnd, model_version=version, cohort=cohort, dim=d,
-                         random_bytes=random_bytes)
+        round_policy_ = (policy if update_clip is None  # adaptive clipping's current S
+                         else with_update_clip(policy, update_clip))
+        plan = draw_plan(round_policy_, round_id=rnd, model_version=version, cohort=cohort,
+                         dim=d, random_bytes=random_bytes)
         config = RoundConfig.of_plan(plan)
         model_bytes = wire_encode(replace(ModelUpdate.of(version=version, round_id=rnd,
                                                          params=params), sig=bytes(64)))
@@ -374,6 +380,8 @@ def simulate(cfg: SimConfig, *, out: TextIO | None = None) -> dict[str, Any]:
             done = finish(plan, total, len(survivors), params=params, server=server,
                           optimizer=optimizer, opt_state=opt_state)
             params, opt_state = done.params, done.opt_state
+            if update_clip is not None:
+                update_clip = next_update_clip(policy, update_clip, done.quantile)
             version += 1
         total_sha = None if failed is not None else sum_sha256(total)
         eps = max(e for e, _ in device_eps.values())
@@ -401,6 +409,8 @@ def simulate(cfg: SimConfig, *, out: TextIO | None = None) -> dict[str, Any]:
                        "accuracy": acc, "epsilon_local": finite(eps),
                        "epsilon_aggregate": finite(agg_eps),
                        "epsilon_device": _finite_or_none(dev_eps),
+                       "update_clip": plan.params.update_clip if cfg.mechanism == "device-dp"
+                       else None,
                        "bytes": {"up_payload": bytes_up_payload - before[0],
                                  "up_packets": up, "down_packets": bytes_down - before[2]},
                        "sum_sha256": total_sha})

@@ -33,6 +33,10 @@ class LayoutServer:
         """
         return layout_of(params, self.params.dim)
 
+    def quantile(self, total: np.ndarray, survivors: int) -> float | None:
+        """None: no adaptive clipping (device-dp's half overrides it)."""
+        return None
+
 
 def layout_of(params: Sequence[np.ndarray], dim: int) -> Layout:
     """The shapes of the model ``params`` (graph order).

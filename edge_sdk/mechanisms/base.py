@@ -102,6 +102,11 @@ class ServerHalf(Protocol):
         parameter, for the server optimizer; the new state)."""
         ...
 
+    def quantile(self, total: np.ndarray, survivors: int) -> float | None:
+        """Adaptive clipping's noised fraction of survivors whose update norm was within
+        the round's clip, read from the sum; None for a mechanism or round without it."""
+        ...
+
 
 class Mechanism(Protocol):
     """A mechanism: its name (as in ``RoundPlan``/config) and its two halves."""

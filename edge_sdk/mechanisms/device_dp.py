@@ -81,6 +81,18 @@ plan whose cohort or threshold would leave less than the noise the fleet promise
 Randomness (plan15 R8): all from the round's ``rng``, in this order: the local round's
 batches (and DP-SGD noise), then ``encode_device``'s conditional rounding, then the noise.
 
+Adaptive clipping (Andrew, Thakkar, McMahan, Ramaswamy, NeurIPS 2021), when the plan's
+``indicator_scale`` c is > 0: the device also releases b = 1 if its (kept) update's norm was
+<= S, as one more coordinate c (b - 1/2) appended to the clipped update BEFORE the rotation,
+so the one vector it rounds and noises has L2 norm <= S_joint = sqrt(S^2 + c^2/4) and the
+events above are those of S_joint: one KLS Theorem 1 release covers the update and the
+indicator together (nothing is released for free; the same theorem, adjacency and
+assumptions). The target noise is z S_joint, so at the same z a round costs the same
+epsilon as fixed clipping and the update's noise grows by sqrt(1 + (c / 2S)^2). The server
+reads the noised count of b from the last coordinate (:meth:`DeviceDpServer.quantile`);
+``aggregator.round_core`` moves S geometrically toward the target quantile for the next
+plan (post-processing of the released sum).
+
 Server half (:class:`DeviceDpServer`): :func:`edge_sdk.ddp.decode_sum` of the survivors'
 ring sum (centered residue, times gamma, unrotated, padding dropped), divided by the
 number of survivors (the count the aggregator itself unmasked: post-processing, no
@@ -116,11 +128,13 @@ __all__ = [
     "device_dp_public",
     "device_sigma",
     "encoding",
+    "joint_clip",
     "kept_length",
     "local_update",
     "ring_bits",
     "share_variance",
     "target_variance",
+    "vector_length",
 ]
 
 WRAP_PROBABILITY = 1e-9
@@ -175,8 +189,19 @@ def device_sigma(noise_multiplier: float, update_clip: float, gamma: float,
 
 
 def kept_length(dim: int, sparsity: float) -> int:
-    """k: the coordinates a device uploads before padding (d when dense)."""
+    """k: the coordinates of the update a device uploads before padding (d when dense)."""
     return dim if sparsity == 1.0 else compress.kept_count(dim, sparsity)
+
+
+def joint_clip(update_clip: float, indicator_scale: float) -> float:
+    """S_joint = sqrt(S^2 + c^2/4): the L2 bound of the clipped update with adaptive
+    clipping's indicator coordinate c (b - 1/2) appended (S itself when c = 0)."""
+    return math.hypot(update_clip, indicator_scale / 2.0) if indicator_scale else update_clip
+
+
+def vector_length(dim: int, sparsity: float, indicator_scale: float) -> int:
+    """The values a device rounds before padding: k, plus the indicator when c > 0."""
+    return kept_length(dim, sparsity) + (1 if indicator_scale > 0 else 0)
 
 
 def encoding(*, update_clip: float, gamma: float, sigma: float,
@@ -227,12 +252,14 @@ def device_dp_public(*, steps: int, batch_size: int, lr: float, sampling: str,
                      gamma: float, noise_multiplier: float, sparsity: float, dim: int,
                      cohort_size: int, honest: int,
                      wrap_probability: float = WRAP_PROBABILITY, ring_bound: str = "bounded",
+                     indicator_scale: float = 0.0,
                      ) -> tuple[DeviceDpParams, int, int]:
     """The server's choice for one round: (the plan's record, bits, length k').
 
     sigma is calibrated on the ``honest`` = min_survivors - max_colluders shares the
-    devices account and check (:func:`device_sigma`); bits on all ``cohort_size`` shares
-    (:func:`ring_bits` with ``bound=ring_bound``).
+    devices account and check (:func:`device_sigma`, for the bound :func:`joint_clip` of S
+    and the ``indicator_scale`` c); bits on all ``cohort_size`` shares (:func:`ring_bits`
+    with ``bound=ring_bound``).
 
     Raises:
         ValueError: ``honest`` outside [1, cohort_size], more than 62 bits needed, or bad
@@ -240,15 +267,17 @@ def device_dp_public(*, steps: int, batch_size: int, lr: float, sampling: str,
     """
     if not 1 <= honest <= cohort_size:
         raise ValueError(f"honest must be in [1, cohort_size={cohort_size}], got {honest}")
-    length = ddp.padded_dim(kept_length(dim, sparsity))
-    sigma = device_sigma(noise_multiplier, update_clip, gamma, honest)
-    bits = ring_bits(update_clip=update_clip, gamma=gamma, sigma=sigma,
+    length = ddp.padded_dim(vector_length(dim, sparsity, indicator_scale))
+    bound = joint_clip(update_clip, indicator_scale)
+    sigma = device_sigma(noise_multiplier, bound, gamma, honest)
+    bits = ring_bits(update_clip=bound, gamma=gamma, sigma=sigma,
                      cohort_size=cohort_size, length=length,
                      wrap_probability=wrap_probability, bound=ring_bound)
     params = DeviceDpParams(
         steps=steps, batch_size=batch_size, lr=lr, sampling=sampling, local_clip=local_clip,
         local_noise_multiplier=local_noise_multiplier, update_clip=update_clip, gamma=gamma,
-        noise_multiplier=noise_multiplier, sigma=sigma, sparsity=sparsity)
+        noise_multiplier=noise_multiplier, sigma=sigma, sparsity=sparsity,
+        indicator_scale=indicator_scale)
     return params, bits, length
 
 
@@ -268,6 +297,7 @@ class DeviceDpRound:
         length: k' = padded_dim(k), the values each device adds.
         cohort_size: members of the cohort.
         round_seed: the plan's public seed (the rotation's signs).
+        indicator_scale: c of adaptive clipping (0: fixed clipping; module docstring).
 
     Raises:
         ValueError: ``length`` is not padded_dim(k) of rand-k at p of d, bits beyond 62,
@@ -285,13 +315,18 @@ class DeviceDpRound:
     length: int
     cohort_size: int
     round_seed: bytes
+    indicator_scale: float = 0.0
 
     def __post_init__(self) -> None:
-        k = kept_length(self.dim, self.sparsity)
-        if self.length != ddp.padded_dim(k):
+        c = self.indicator_scale
+        if not (math.isfinite(c) and c >= 0):
+            raise ValueError(f"indicator_scale must be finite and >= 0, got {c!r}")
+        n = vector_length(self.dim, self.sparsity, c)
+        if self.length != ddp.padded_dim(n):
             raise ValueError(f"length {self.length}, but rand-k at p = {self.sparsity} of "
-                             f"{self.dim} parameters keeps {k}, padded to "
-                             f"{ddp.padded_dim(k)}")
+                             f"{self.dim} parameters keeps {self.kept}"
+                             + (" plus the indicator" if c else "")
+                             + f", padded to {ddp.padded_dim(n)}")
         self.encoding  # noqa: B018 - validates clip, gamma, bits and sigma together
 
     @property
@@ -300,9 +335,19 @@ class DeviceDpRound:
         return kept_length(self.dim, self.sparsity)
 
     @property
+    def values(self) -> int:
+        """The values rounded before padding: k, plus the indicator with adaptive clipping."""
+        return vector_length(self.dim, self.sparsity, self.indicator_scale)
+
+    @property
+    def bound(self) -> float:
+        """The L2 bound of the vector released: S, or S_joint with the indicator."""
+        return joint_clip(self.update_clip, self.indicator_scale)
+
+    @property
     def encoding(self) -> ddp.DistributedDP:
-        """The round's ``ddp.DistributedDP``."""
-        return encoding(update_clip=self.update_clip, gamma=self.gamma, sigma=self.sigma,
+        """The round's ``ddp.DistributedDP`` (clip: :attr:`bound`)."""
+        return encoding(update_clip=self.bound, gamma=self.gamma, sigma=self.sigma,
                         bits=self.bits)
 
     @classmethod
@@ -324,7 +369,7 @@ class DeviceDpRound:
         return cls(training=training, update_clip=w.update_clip, gamma=w.gamma,
                    noise_multiplier=w.noise_multiplier, sigma=w.sigma, sparsity=w.sparsity,
                    bits=plan.bits, dim=dim, length=plan.length, cohort_size=len(plan.cohort),
-                   round_seed=plan.round_seed)
+                   round_seed=plan.round_seed, indicator_scale=w.indicator_scale)
 
 
 def local_update(engine: Engine, params: Sequence[np.ndarray], x: np.ndarray, y: np.ndarray,
@@ -353,12 +398,12 @@ class DeviceDpDevice:
         """Why the device declines the round (reason ``"noise"``), or None: ``honest``
         shares of the plan's sigma sum to less than the plan's target variance."""
         p = self.params
-        target = target_variance(p.noise_multiplier, p.update_clip, p.gamma)
+        target = target_variance(p.noise_multiplier, p.bound, p.gamma)
         have = honest * share_variance(p.sigma)
         if have < target:
             return (f"{honest} honest shares of sigma {p.sigma:.6g} carry noise variance "
                     f"{have:.6g} < the target (z S / gamma)^2 = {target:.6g} (z "
-                    f"{p.noise_multiplier:g}, S {p.update_clip:g}, gamma {p.gamma:g})")
+                    f"{p.noise_multiplier:g}, S {p.bound:g}, gamma {p.gamma:g})")
         return None
 
     def events(self, *, m: int, honest: int) -> tuple[Event, Event]:
@@ -372,7 +417,7 @@ class DeviceDpDevice:
         def ev(devices: int) -> Event:
             # substitution (2 D2), not zero-out (D2): the ledger reads its figures per
             # sample, and a sample moves the clipped update by up to 2 S (module docstring)
-            return ddp.event(cfg, devices, p.kept, adjacency="substitution")
+            return ddp.event(cfg, devices, p.values, adjacency="substitution")
 
         local = round_event(m, p.training) if p.training.noise_multiplier > 0 else ev(1)
         return local, ev(honest)
@@ -381,7 +426,7 @@ class DeviceDpDevice:
         """The device-level zero-out event of one round over ``honest`` shares (module
         docstring): KLS 2021 Theorem 1 at D2, the device's noise share in the sum."""
         p = self.params
-        return ddp.event(p.encoding, honest, p.kept, adjacency="zero_out")
+        return ddp.event(p.encoding, honest, p.values, adjacency="zero_out")
 
     def contribute(self, *, params: Sequence[np.ndarray], data: tuple[np.ndarray, np.ndarray],
                    engine: Engine, coords: np.ndarray | None, honest: int,
@@ -401,6 +446,10 @@ class DeviceDpDevice:
         update, loss = local_update(engine, params, x, y, p.training, rng)
         kept = update if coords is None else update[coords]
         norm = float(np.linalg.norm(kept))
+        if p.indicator_scale:  # adaptive clipping: the indicator rides in the same release
+            below = 1.0 if norm <= p.update_clip else 0.0
+            clipped = kept * min(1.0, p.update_clip / norm) if norm > 0 else kept
+            kept = np.append(clipped, p.indicator_scale * (below - 0.5))
         values = ddp.encode_device(kept, p.encoding, p.round_seed, rng)
         event, aggregate = self.events(m=len(y), honest=honest)
         return Contribution(values=values, event=event, aggregate_event=aggregate,
@@ -423,9 +472,21 @@ class DeviceDpServer(LayoutServer):
         p = self.params
         if isinstance(survivors, bool) or not isinstance(survivors, int) or survivors < 1:
             raise ValueError(f"survivors must be an integer >= 1, got {survivors!r}")
-        summed = ddp.decode_sum(np.asarray(total), p.encoding, p.round_seed, p.kept,
-                                survivors)
+        summed = ddp.decode_sum(np.asarray(total), p.encoding, p.round_seed, p.values,
+                                survivors)[:p.kept]
         return shaped(summed / survivors, p.dim, coords, state), state
+
+    def quantile(self, total: np.ndarray, survivors: int) -> float | None:
+        """Adaptive clipping's noised fraction of the ``survivors`` whose update norm was
+        <= S, clamped to [0, 1], from the indicator coordinate of the sum (module
+        docstring); None with fixed clipping."""
+        p = self.params
+        if not p.indicator_scale:
+            return None
+        summed = ddp.decode_sum(np.asarray(total), p.encoding, p.round_seed, p.values,
+                                survivors)
+        count = summed[p.kept] / p.indicator_scale + survivors / 2.0
+        return min(1.0, max(0.0, float(count) / survivors))
 
 
 class DeviceDp:

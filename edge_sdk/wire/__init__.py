@@ -1,4 +1,4 @@
-"""The bytes both sides agree on: one schema, one envelope, one version (protocol 5).
+"""The bytes both sides agree on: one schema, one envelope, one version (protocol 6).
 
 Modules, lowest first:
 

@@ -1,4 +1,4 @@
-"""Every message of a round, declared on :mod:`edge_sdk.wire.schema` (protocol 5).
+"""Every message of a round, declared on :mod:`edge_sdk.wire.schema` (protocol 6).
 
 One envelope ``{"v": 5, "kind", "round", "from" | "to", ...fields, "sig"?}``, one naming
 rule (:func:`~edge_sdk.wire.schema.Name`), one decoder with caps and one signature rule for
@@ -300,6 +300,9 @@ class DeviceDpParams(Record):
             (min_survivors - max_colluders) has std at least z S / gamma (integer scale).
         sigma: each device's discrete Gaussian parameter (integer scale), calibrated so.
         sparsity: rand-k kept fraction p (1: dense; the set from the plan's ``round_seed``).
+        indicator_scale: c, adaptive clipping's indicator (Andrew et al. 2021): each device
+            appends c (b - 1/2), b = 1 if its update's norm was <= S, to the vector it
+            clips, rotates and noises (L2 bound sqrt(S^2 + c^2/4)); 0: fixed clipping.
     """
 
     steps: int = Int(1, 1 << 20)
@@ -313,6 +316,7 @@ class DeviceDpParams(Record):
     noise_multiplier: float = Float(0.0)
     sigma: float = Float(0.0)
     sparsity: float = Float(0.0, 1.0, open_lo=True)
+    indicator_scale: float = Float(0.0)
 
 
 MECHANISM_PARAMS: Mapping[str, type[Record]] = MappingProxyType({

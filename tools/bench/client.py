@@ -22,7 +22,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 
 # (arch, input shape, classes): the zoo models at their Fashion-MNIST shapes.
-MODELS = {"logreg": ((1, 28, 28), 10), "mlp": ((1, 28, 28), 10), "cnn": ((1, 28, 28), 10)}
+MODELS = {"logreg": ((1, 28, 28), 10), "mlp": ((1, 28, 28), 10), "cnn": ((1, 28, 28), 10),
+          # issue 17's example models (docs/examples.md)
+          "dscnn-har": ((3, 128), 6), "dscnn-kws": ((1, 49, 10), 8)}
 
 _CHILD = r'''
 import json, os, resource, sys, time

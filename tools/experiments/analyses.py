@@ -874,15 +874,19 @@ def device_dp_fleet(exp: Any, records: list[dict[str, Any]], vdir: Path, docdir:
                          f"{_fmt(eps, '.3f')} | {100 * _final_acc(r):.2f} | "
                          f"{100 * _best_acc(r):.2f} | {per_param:.3f} | "
                          f"{s.get('max_rounds_per_device', '-')} |")
-        pts = [(r["summary"]["epsilon_device"], 100 * _final_acc(r)) for r in private
-               if r["summary"].get("epsilon_device") is not None]
-        if pts:
+        groups: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        for r in private:
+            if r["summary"].get("epsilon_device") is not None:
+                groups[r["meta"].get("group", r["label"])].append(
+                    (r["summary"]["epsilon_device"], 100 * _final_acc(r)))
+        for group, pts in sorted(groups.items()):
             pts.sort()
             line = ax.plot([e for e, _ in pts], [a for _, a in pts], marker="o",
-                           label=f"{part}, device-dp")
-            if plain:
-                ax.axhline(100 * _final_acc(plain[0]), linestyle="--",
-                           color=line[0].get_color(), label=f"{part}, no noise")
+                           label=f"{part}, {group}")
+        if plain:
+            ax.axhline(100 * _final_acc(plain[0]), linestyle="--",
+                       color=line[0].get_color() if groups else None,
+                       label=f"{part}, no noise")
         if plain:
             ok = [r for r in private if (r["summary"].get("epsilon_device") or math.inf) <= 3]
             base = 100 * _final_acc(plain[0])
