@@ -197,19 +197,7 @@ title = "Grid"
 paper = "none"
 analysis = "fedspa_fig1"
 seeds = [0]
-
-[base]
-dataset = "digits"
-model = "logreg"
-devices = 6
-participation = 0.5
-rounds = 1
-local-steps = 1
-batch-size = 8
-lr = 0.5
-clip = 1.0
-delta = 1e-3
-
+""" + TINY[TINY.index("[base]"):TINY.index("[quick]")] + """
 [[runs]]
 label = "Fed-SPA"
 noise = { calibrate = "fed-spa" }
