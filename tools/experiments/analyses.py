@@ -929,3 +929,42 @@ def device_dp_fleet(exp: Any, records: list[dict[str, Any]], vdir: Path, docdir:
         out.append("Quick variant (digits, logreg): pipeline check only; no claim is judged.")
         return "\n".join(out)
     return "\n".join(out + verdicts)
+
+
+# ------------------------------------------------------ ours: the example models (issue 17)
+
+
+def examples_fleet(exp: Any, records: list[dict[str, Any]], vdir: Path, docdir: Path) -> str:
+    """The example models over the fleet, each with and without noise: final accuracy,
+    the sample-level epsilon (the devices' ledgers, zero-out of one sample, delta 1e-5) and
+    what the noise costs. No paper claim is judged (the data is generated)."""
+    groups = _by_label(records)
+    lines = ["| model | noise multiplier | final acc. (%) | best acc. (%) | epsilon (sample-level "
+             "local) | bytes per upload | wall (s) |", "|---|---|---|---|---|---|---|"]
+    cost = []
+    for label, runs in groups.items():
+        for r in sorted(runs, key=lambda r: r["noise"]["noise_multiplier"]):
+            s = r["summary"]
+            lines.append(f"| {label.split(' ')[0]} | {r['noise']['noise_multiplier']:g} | "
+                         f"{100 * _final_acc(r):.2f} | {100 * _best_acc(r):.2f} | "
+                         f"{_fmt(s.get('epsilon'), '.3f')} | "
+                         f"{_fmt(s.get('bytes_up_per_upload'), ',.0f')} | "
+                         f"{s['wall_seconds']:.1f} |")
+    by_model: dict[str, dict[float, float]] = defaultdict(dict)
+    for r in records:
+        by_model[r["label"].split(" ")[0]][r["noise"]["noise_multiplier"]] = _final_acc(r)
+    for model, accs in sorted(by_model.items()):
+        noisy = [z for z in accs if z > 0]
+        if 0.0 in accs and noisy:
+            z = max(noisy)
+            cost.append(f"{model}: {100 * (accs[0.0] - accs[z]):.2f} points at z = {z:g}")
+    plot = _curves_plot(groups, vdir / "accuracy.png", f"{exp.name} ({vdir.name})")
+    out = ["Final and best test accuracy of each example over the fleet (fast path), with "
+           "and without noise; epsilon is the largest of the devices' ledgers (sample-level, "
+           "zero-out of one sample, delta 1e-5; none without noise).", "", *lines, "",
+           _img(plot, docdir, "accuracy per round"), ""]
+    if cost:
+        out.append("What the noise costs: " + "; ".join(cost) + ".")
+    if _is_quick(vdir):
+        out.append("Quick variant: pipeline check only.")
+    return "\n".join(out)
