@@ -85,3 +85,32 @@ def test_each_example_trains_in_a_fleet(config: str) -> None:
     classes = EXAMPLES[f"dscnn-{config}"][2]
     assert summary["rounds_completed"] == 8 and summary["epsilon"] > 0
     assert summary["final_accuracy"] > 2.0 / classes  # twice chance after 8 rounds
+
+
+@pytest.mark.slow  # two exports: about 30 s here
+def test_fedge_export_of_the_examples_gives_the_committed_files(tmp_path) -> None:
+    """`fedge export --only dscnn` writes the two examples' manifests byte for byte the
+    committed ones and graphs that compute the same: equal nodes, attributes, weights and
+    I/O once the exporter's debug metadata (per-node source paths of the exporting
+    checkout) is dropped. A user can re-make them."""
+    import onnx
+
+    from models import ONNX_DIR
+    from tools.cli import main
+
+    def computation(path) -> bytes:
+        model = onnx.load(path)
+        for node in model.graph.node:
+            del node.metadata_props[:]
+        del model.metadata_props[:]
+        return model.graph.SerializeToString()
+
+    assert main(["export", "--only", "dscnn", "--out", str(tmp_path)]) == 0
+    made = sorted(p.name for p in tmp_path.iterdir())
+    assert made == sorted(p.name for p in ONNX_DIR.glob("dscnn-*"))
+    assert len(made) == 8  # per model: manifest, inference, per-sample, masked graphs
+    for name in made:
+        if name.endswith(".json"):
+            assert (tmp_path / name).read_bytes() == (ONNX_DIR / name).read_bytes(), name
+        else:
+            assert computation(tmp_path / name) == computation(ONNX_DIR / name), name
