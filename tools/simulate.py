@@ -296,9 +296,9 @@ def simulate(cfg: SimConfig, *, out: TextIO | None = None) -> dict[str, Any]:
                 rounds[-1]["accuracy"] = acc_hist[-1]
             break
         cohort = draw_cohort(eligible, policy=policy, round_id=rnd)
-        round_policy_ = (policy if update_clip is None  # adaptive clipping's current S
-                         else with_update_clip(policy, update_clip))
-        plan = draw_plan(round_policy_, round_id=rnd, model_version=version, cohort=cohort,
+        this_round = (policy if update_clip is None  # adaptive clipping's current S
+                      else with_update_clip(policy, update_clip))
+        plan = draw_plan(this_round, round_id=rnd, model_version=version, cohort=cohort,
                          dim=d, random_bytes=random_bytes)
         config = RoundConfig.of_plan(plan)
         model_bytes = wire_encode(replace(ModelUpdate.of(version=version, round_id=rnd,
