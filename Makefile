@@ -18,7 +18,8 @@ onepath: setup
 	          "gaussian-randk-qsgd|--mechanism gaussian --sparsity 0.1 --quant-levels 7" \
 	          "update-noise|--mechanism update-noise" "ddg|--mechanism ddg --local-steps 1" \
 	          "binomial|--mechanism binomial --binomial-trials 1024 --quant-levels 31" \
-	          "device-dp|--mechanism device-dp --update-clip 1"; do \
+	          "device-dp|--mechanism device-dp --update-clip 1" \
+	          "device-dp-adaptive|--mechanism device-dp --update-clip 1 --adaptive-clip-quantile 0.5"; do \
 	  name=$${c%%|*}; args=$${c#*|}; \
 	  for mode in "--no-secagg" "--secagg --transport inproc" "--secagg --transport mqtt"; do \
 	    $(FEDGE) simulate --config tools/configs/onepath.toml $$args $$mode --quiet \
