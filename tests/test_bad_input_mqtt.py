@@ -224,6 +224,7 @@ def test_every_prefix_and_hypothesis_mutations_leave_the_machine_unchanged(
                                params=init_params(engine.spec, np.random.default_rng(0)),
                                limits=FloodLimits(burst=10**9, rate=1e9))
         seen = [0]
+        sender = [""]  # the topic prefix of the test's publisher, once chosen
 
         class Counting:
             def subscriptions(self) -> list[str]:
@@ -237,8 +238,9 @@ def test_every_prefix_and_hypothesis_mutations_leave_the_machine_unchanged(
 
             def on_message(self, topic: str, payload: bytes, now: float) -> list[Publish]:
                 # count only what the test sends: a status message (a client's will or
-                # "online") arriving meanwhile must not end a delivery wait one early
-                if "/up/" in topic:
+                # "online"), or an upload of another cohort member, arriving meanwhile must
+                # not end a delivery wait one early (once seen in CI: 231 records of 232)
+                if sender[0] and topic.startswith(sender[0]):
                     seen[0] += 1
                 return machine.on_message(topic, payload, now)
 
@@ -251,6 +253,7 @@ def test_every_prefix_and_hypothesis_mutations_leave_the_machine_unchanged(
         pump_until(f.loop, lambda: len(machine.snapshot()) > 0 and a in set(
             machine._round.server.survivors), 30, [], "a's upload")  # noqa: SLF001
         f.loop.remove(a, timeout=2.0)
+        sender[0] = wire.device_up_topic(FLEET, a, "checkin").rsplit("/", 1)[0] + "/"
         f.loop.add(f.client(a), _Publisher())
         pump_until(f.loop, lambda: f.loop.is_ready(a), 10, [], "publisher")
         gate = f.gates[a]
@@ -271,9 +274,9 @@ def test_every_prefix_and_hypothesis_mutations_leave_the_machine_unchanged(
                                f"delivery ({seen[0] - n} of {len(items)})")
             assert machine.snapshot() == before
             # only what the test sent: a status message (a reconnecting client's will or
-            # "online") may be logged in the same window
+            # "online") or another member's message may be logged in the same window
             recs = [r for r in caplog.records if r.name == "aggregator.rounds"
-                    and "/up/" in str(r.fedge.get("topic", ""))]
+                    and str(r.fedge.get("topic", "")).startswith(sender[0])]
             assert all(r.fedge["event"] in ("rejected", "duplicate") for r in recs)
             return recs
 
