@@ -130,6 +130,11 @@ class RoundPolicy:
             is the first round's S); the devices release their indicator at scale
             c = 2 r S (r = ``indicator_ratio``): the count's noise std is
             z sqrt(1 + r^2) / (2 r) devices, the update's noise grows by sqrt(1 + r^2).
+        self_sample_rate: ``"device-dp"`` only: q in (0, 1] of self-sampled check-ins
+            (issue 16): each member sends its data with probability q by its own hidden
+            coin, the null record otherwise, its noise share either way; the device charges
+            the amplified release (``privacy.SelfSampled``) and the server divides the sum
+            by q times the survivors. 1 (default): always its data, no amplification.
         ring_bound: ``"device-dp"`` only: how the plan's bits bound the sum,
             ``"bounded"`` (default, deterministic) or ``"rotated"`` (the rotation's
             sub-Gaussian tail: fewer bits; ``device_dp.ring_bits`` says when it holds).
@@ -171,6 +176,7 @@ class RoundPolicy:
     adaptive_clip_quantile: float | None = None
     adaptive_clip_lr: float = 0.2
     indicator_ratio: float = 0.4
+    self_sample_rate: float = 1.0
     ring_bound: str = "bounded"
     degree: int | None = None
     threshold: int | None = None
@@ -281,6 +287,12 @@ class RoundPolicy:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
                     math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be finite and > 0, got {v!r}")
+        r = self.self_sample_rate
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
+            raise ValueError(f"self_sample_rate must be in (0, 1], got {r!r}")
+        if r != 1 and self.mechanism != "device-dp":
+            raise ValueError(f"self_sample_rate is a setting of mechanism 'device-dp', but "
+                             f"mechanism is {self.mechanism!r}: remove it")
         if self.ring_bound not in device_dp.RING_BOUNDS:
             raise ValueError(f"ring_bound must be one of {device_dp.RING_BOUNDS}, "
                              f"got {self.ring_bound!r}")
@@ -444,7 +456,8 @@ def _device_dp(policy: RoundPolicy, dim: int, cohort_size: int) -> tuple[Record,
         dim=dim, cohort_size=cohort_size, honest=honest,
         wrap_probability=policy.wrap_probability, ring_bound=policy.ring_bound,
         indicator_scale=(0.0 if policy.adaptive_clip_quantile is None
-                         else 2.0 * policy.indicator_ratio * float(policy.update_clip)))
+                         else 2.0 * policy.indicator_ratio * float(policy.update_clip)),
+        sample_rate=float(policy.self_sample_rate))
     return params, length, bits
 
 

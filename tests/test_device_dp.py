@@ -33,7 +33,11 @@ from edge_sdk.mechanisms.device_dp import (
     target_variance,
 )
 from edge_sdk.model import init_params
-from edge_sdk.privacy.events import DistributedDiscreteGaussian, PoissonSubsampledGaussian
+from edge_sdk.privacy.events import (
+    DistributedDiscreteGaussian,
+    PoissonSubsampledGaussian,
+    SelfSampled,
+)
 from edge_sdk.privacy.rdp import discrete_epsilon, rdp_of, rdp_to_epsilon
 from edge_sdk.round import Declined, Prepared, coordinates, open_round
 from tools.seeding import seeded_bytes
@@ -386,7 +390,7 @@ def test_claimed_epsilon_is_not_below_the_exact_worst_case(z: float, honest: int
         _tiny_plan(honest + 1), params=wire.DeviceDpParams(
             steps=1, batch_size=1, lr=0.1, sampling="poisson", local_clip=1.0,
             local_noise_multiplier=0.0, update_clip=s, gamma=gamma, noise_multiplier=z,
-            sigma=sigma, sparsity=1.0, indicator_scale=0.0)), dim=4)
+            sigma=sigma, sparsity=1.0, indicator_scale=0.0, sample_rate=1.0)), dim=4)
     _, event = DeviceDpDevice(rnd).events(m=10, honest=honest)
     d2 = event.l2_sensitivity / 2
     assert event.adjacency == "substitution"
@@ -417,7 +421,7 @@ def _tiny_plan(min_survivors: int) -> wire.RoundPlan:
     params = wire.DeviceDpParams(steps=1, batch_size=1, lr=0.1, sampling="poisson",
                                  local_clip=1.0, local_noise_multiplier=0.0, update_clip=2.0,
                                  gamma=1.0, noise_multiplier=0.0, sigma=0.0, sparsity=1.0,
-                                 indicator_scale=0.0)
+                                 indicator_scale=0.0, sample_rate=1.0)
     return wire.RoundPlan(
         round_id=1, model_version=0, cohort=cfg.cohort, mechanism="device-dp",
         params=params, round_seed=bytes(range(32)), bits=20, length=4, nonce=cfg.nonce,
@@ -732,3 +736,74 @@ def test_the_server_reads_the_fraction_within_the_clip(model) -> None:
     # a fixed-clipping round has no fraction to read
     plain = _plan(model, _policy(noise_multiplier=0.0))
     assert server_half(plain, dim=d).quantile(acc.total(), len(survivors)) is None
+
+
+# ------------------------------------------------------------- self-sampled check-ins
+
+
+def _coins(model: dict[str, Any], plan: wire.RoundPlan, seed: int) -> dict[str, bool]:
+    """Each member's coin, replayed from its round rng: the training draws first, then b."""
+    settings = DeviceDpRound.from_plan(plan, dim=model["d"])
+    out = {}
+    for i, name in enumerate(plan.cohort):
+        rng = seeded_round_rng(seed + i)(plan.round_id)
+        x, y = model["shards"][name]
+        local_update(model["eng"], model["params"], x, y, settings.training, rng)
+        out[name] = bool(rng.random() < settings.sample_rate)
+    return out
+
+
+def test_self_sampling_sends_the_null_record_behind_the_mask(model) -> None:
+    """q = 0.5, no noise: every member uploads the same kind of vector (its length, its
+    ring), and the decoded sum is, within the rounding, the clipped updates of exactly the
+    members whose coin said yes; the server divides by q x survivors."""
+    plan = _plan(model, _policy(noise_multiplier=0.0, self_sample_rate=0.5))
+    assert plan.params.sample_rate == 0.5
+    survivors = COHORT[:6]
+    decoded, _, prepared = _round(model, plan, survivors, seed=31)
+    coins = _coins(model, plan, 31)
+    yes = [n for n in survivors if coins[n]]
+    assert 0 < len(yes) < len(survivors), coins  # this seed draws both
+    sizes = {p.contribution.values.shape for p in prepared.values()}
+    assert sizes == {(plan.length,)}
+    want = np.sum([_expected(model, plan, n, 31 + plan.cohort.index(n)) for n in yes],
+                  axis=0)
+    g, kp, n = plan.params.gamma, plan.length, len(survivors)
+    err = np.linalg.norm(decoded * 0.5 * n - want)
+    assert err <= g * n * math.sqrt(kp)
+    assert np.linalg.norm(want) > 10 * g * n * math.sqrt(kp)  # a real signal, not rounding
+
+
+def test_self_sampling_charges_the_amplified_release(model) -> None:
+    """The device-level event behind the coin is SelfSampled over the same zero-out release
+    (Zhu-Wang Thm 6), cheaper than the release itself over many rounds; the sample-level
+    events do not change (no amplification is claimed for them); the ledger stores and
+    composes it."""
+    full = DeviceDpRound.from_plan(_plan(model, _policy()), dim=model["d"])
+    tenth = DeviceDpRound.from_plan(_plan(model, _policy(self_sample_rate=0.1)),
+                                    dim=model["d"])
+    inner = DeviceDpDevice(full).device_event(honest=4)
+    dev = DeviceDpDevice(tenth).device_event(honest=4)
+    assert dev == SelfSampled(event=inner, sample_rate=0.1)
+    assert DeviceDpDevice(tenth).events(m=40, honest=4) == DeviceDpDevice(full).events(
+        m=40, honest=4)
+    assert epsilon_rdp([dev] * 50, DELTA) < 0.5 * epsilon_rdp([inner] * 50, DELTA)
+    book = _book()
+    out = _open(model, _plan(model, _policy(self_sample_rate=0.1)), COHORT[0], book, seed=3)
+    assert isinstance(out, Prepared), out
+    assert out.contribution.device_event == SelfSampled(
+        event=DeviceDpDevice(tenth).device_event(honest=4).event, sample_rate=0.1)
+    (res,) = book.reservations()
+    assert res.plan.device_event == out.contribution.device_event
+    assert book.spent().device_epsilon == pytest.approx(
+        epsilon_rdp([out.contribution.device_event], DELTA))
+
+
+def test_self_sample_rate_is_device_dp_only_and_in_range() -> None:
+    with pytest.raises(ValueError, match=r"self_sample_rate must be in \(0, 1\]"):
+        _policy(self_sample_rate=0.0)
+    with pytest.raises(ValueError, match="self_sample_rate is a setting of mechanism"):
+        RoundPolicy(fleet=FLEET, cohort_size=8, mechanism="gaussian", self_sample_rate=0.5)
+    from tools.simconfig import SimConfig
+    with pytest.raises(ValueError, match="self_sample_rate applies to mechanism 'device-dp'"):
+        SimConfig(self_sample_rate=0.5)

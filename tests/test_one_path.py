@@ -27,7 +27,10 @@ MECHANISMS = {"gaussian": {}, "gaussian-randk-qsgd": {"sparsity": 0.1, "quant_le
               # adaptive clipping: S is round state on both paths (round_core, the round
               # machine and its snapshot, the fast simulator's loop)
               "device-dp-adaptive": {"mechanism": "device-dp", "update_clip": 1.0,
-                                     "adaptive_clip_quantile": 0.5}}
+                                     "adaptive_clip_quantile": 0.5},
+              # self-sampled check-ins: each member's hidden coin on both paths
+              "device-dp-self-sampled": {"mechanism": "device-dp", "update_clip": 1.0,
+                                         "self_sample_rate": 0.5}}
 
 
 def _config(mechanism: str, **more: Any) -> SimConfig:
@@ -130,6 +133,7 @@ def test_a_different_dropout_seed_gives_another_model() -> None:
     pytest.param("update-noise", marks=pytest.mark.slow),
     pytest.param("ddg", marks=pytest.mark.slow),
     pytest.param("device-dp-adaptive", marks=pytest.mark.slow),
+    "device-dp-self-sampled",  # 2 s: its coins over real mosquitto in the default suite
 ])
 def test_fast_simulator_and_mqtt_fleet_give_the_same_model(
         mechanism: str, tmp_path: Path, digits: Any, engine: Any) -> None:

@@ -76,6 +76,10 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
                         "indicator released with the update and accounted with it")
     p.add_argument("--adaptive-clip-lr", type=float,
                    help="device-dp: adaptive clipping's geometric step (default 0.2)")
+    p.add_argument("--self-sample-rate", type=float,
+                   help="device-dp: each member sends its data with this probability by its "
+                        "own hidden coin (zeros otherwise), and accounts the amplification "
+                        "(default 1: always)")
     p.add_argument("--weighting", choices=["uniform"],
                    help="the sum is unweighted (a key of older configs; weights by data "
                         "size would reveal each device's m)")
@@ -128,7 +132,8 @@ def _simulate(args: argparse.Namespace) -> int:
             "batch_size", "lr", "clip", "noise_multiplier", "delta", "partition", "sampling",
             "server_lr", "server_opt", "weighting", "backend", "threads", "eval_every",
             "seed", "mechanism", "sparsity", "quant_levels", "update_clip",
-            "adaptive_clip_quantile", "adaptive_clip_lr", "binomial_trials",
+            "adaptive_clip_quantile", "adaptive_clip_lr", "self_sample_rate",
+            "binomial_trials",
             "ddg_gamma", "transport", "secagg", "dropout", "stage_timeout", "value_bound",
             "budget_epsilon", "min_survivors", "max_colluders"]
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}

@@ -95,6 +95,9 @@ class SimConfig:
     # update norms, S' = S exp(-lr (b_hat - quantile)); None: S fixed
     adaptive_clip_quantile: float | None = None
     adaptive_clip_lr: float = 0.2
+    # device-dp: self-sampled check-ins, each member sends its data with this probability
+    # by its own hidden coin (RoundPolicy.self_sample_rate); 1: always
+    self_sample_rate: float = 1.0
     binomial_trials: int = 4096
     ddg_gamma: float | None = None
     backend: str = "onnx"
@@ -154,6 +157,10 @@ class SimConfig:
         elif self.ddg_gamma is not None:
             raise ValueError(f"ddg_gamma applies to mechanism 'ddg' only, got mechanism "
                              f"{self.mechanism!r} with ddg_gamma={self.ddg_gamma!r}")
+        if self.self_sample_rate != 1.0 and self.mechanism != "device-dp":
+            raise ValueError(f"self_sample_rate applies to mechanism 'device-dp' only, got "
+                             f"mechanism {self.mechanism!r} with self_sample_rate="
+                             f"{self.self_sample_rate!r}")
         if self.eval_every < 1:
             raise ValueError(f"eval_every must be >= 1, got {self.eval_every!r}")
         parse_scheme(self.partition)
@@ -315,7 +322,8 @@ def round_policy(cfg: SimConfig, sizes: list[int], *, stage_timeout: float | Non
     elif cfg.mechanism == "device-dp":
         extra = {"update_clip": cfg.update_clip, "gamma": cfg.gamma,
                  "adaptive_clip_quantile": cfg.adaptive_clip_quantile,
-                 "adaptive_clip_lr": cfg.adaptive_clip_lr}
+                 "adaptive_clip_lr": cfg.adaptive_clip_lr,
+                 "self_sample_rate": cfg.self_sample_rate}
     return RoundPolicy(
         fleet=FLEET_NAME, cohort_size=cfg.cohort_size,
         stage_timeout=cfg.stage_timeout if stage_timeout is None else stage_timeout,

@@ -72,8 +72,9 @@ EPSILON_NOTE = (
     "Thm 1 only as the labelled paper_epsilon); device-dp's sample-level figures are its "
     "device's substitution event, sound for any change to the device's data. "
     "epsilon_device: DEVICE-level aggregate (zero-out of one device's data, same "
-    "assumptions), device-dp only (KLS 2021 Thm 1 over the honest shares); null for every "
-    "other mechanism, whose rounds state no device-level event")
+    "assumptions), device-dp only (KLS 2021 Thm 1 over the honest shares; with "
+    "self_sample_rate q < 1, that release behind each device's own hidden coin, Zhu-Wang "
+    "2019 Thm 6); null for every other mechanism, whose rounds state no device-level event")
 """The ``epsilon_note`` of both paths' summaries."""
 
 
@@ -118,6 +119,10 @@ def epsilon_lines(summary: Mapping[str, Any]) -> list[str]:
             continue
         value = "inf (no noise)" if v is None else f"{v:.4f} at delta {delta:g}"
         against = f.against.format(honest=honest, survivors=survivors, colluders=colluders)
+        q = cfg.get("self_sample_rate", 1.0)
+        if f.key == "epsilon_device" and v is not None and q != 1.0:
+            against += (f"; each device sent its data with probability {q:g} by its own "
+                        "hidden coin (amplification it can verify: Zhu-Wang 2019 Thm 6)")
         out.append(f"epsilon {f.label}: {value} ({f.adjacency}; {against})")
     return out
 

@@ -72,6 +72,7 @@ from edge_sdk.privacy import (
     RdpAccountant,
     SampledWithoutReplacementGaussian,
     SelfComposed,
+    SelfSampled,
     restate,
 )
 
@@ -117,7 +118,8 @@ UNITS = ("sample", "device")
 _LEGACY_ADJACENCY = {"Gaussian": "substitution", "PoissonSubsampledGaussian": "add_remove",
                      "SampledWithoutReplacementGaussian": "substitution"}
 # Every kind of the privacy Event union. Kinds are only ever added (the discrete ones and
-# SelfComposed in issue 15, F1; Binomial in G6), so the store's SCHEMA_VERSION stays 1:
+# SelfComposed in issue 15, F1; Binomial in G6; SelfSampled in issue 16), so the store's
+# SCHEMA_VERSION stays 1:
 # older ledgers read unchanged.
 _EVENT_TYPES: dict[str, type] = {
     "Gaussian": Gaussian,
@@ -126,6 +128,7 @@ _EVENT_TYPES: dict[str, type] = {
     "DistributedDiscreteGaussian": DistributedDiscreteGaussian,
     "DistributedSkellam": DistributedSkellam,
     "Binomial": Binomial,
+    "SelfSampled": SelfSampled,
     "Composed": Composed,
     "SelfComposed": SelfComposed,
 }
@@ -420,6 +423,9 @@ def event_to_json(event: Event) -> dict[str, Any]:
         return {"type": name, "events": [event_to_json(e) for e in event.events]}
     if isinstance(event, SelfComposed):
         return {"type": name, "event": event_to_json(event.event), "count": int(event.count)}
+    if isinstance(event, SelfSampled):
+        return {"type": name, "event": event_to_json(event.event),
+                "sample_rate": float(event.sample_rate)}
     out: dict[str, Any] = {"type": name}
     for f in dataclasses.fields(event):
         value = getattr(event, f.name)
@@ -461,6 +467,15 @@ def event_from_json(data: Any, *, legacy: bool = False) -> Event:
                 f"a SelfComposed event needs exactly an object 'event' and an int 'count', "
                 f"got {data!r}")
         return SelfComposed(event=event_from_json(data["event"]), count=data["count"])
+    if cls is SelfSampled:
+        rate = data.get("sample_rate")
+        if (set(data) != {"type", "event", "sample_rate"} or not isinstance(rate, int | float)
+                or isinstance(rate, bool)):
+            raise ValueError(
+                "a SelfSampled event needs exactly an object 'event' and a number "
+                f"'sample_rate', got {data!r}")
+        inner = event_from_json(data["event"])
+        return SelfSampled(event=inner, sample_rate=rate)  # type: ignore[arg-type]
     fields = {f.name: f.type for f in dataclasses.fields(cls)}
     if legacy:
         del fields["adjacency"]

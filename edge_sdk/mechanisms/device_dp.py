@@ -93,6 +93,25 @@ reads the noised count of b from the last coordinate (:meth:`DeviceDpServer.quan
 ``aggregator.round_core`` moves S geometrically toward the target quantile for the next
 plan (post-processing of the released sum).
 
+Self-sampled check-ins (issue 16; random check-ins, Balle, Kairouz, McMahan, Thakkar,
+Thakurta 2020, in the form a device can verify), when the plan's ``sample_rate`` q < 1:
+after training, the device draws b ~ Bernoulli(q) from the round's rng (the OS CSPRNG on a
+device) and, if b = 0, releases the null record (the zero vector, the indicator's
+coordinate included) with its noise share, exactly as it would its update; the upload is
+masked, so neither the aggregator nor fewer than the threshold of colluders learn b, and
+the upload's timing does not depend on it (the training ran). Against whoever sees the
+sum, the device's data is then in the round with probability q by a coin independent of
+it: the device-level event is :class:`~edge_sdk.privacy.SelfSampled` over the zero-out
+event above (Zhu and Wang 2019, Theorem 6; the null record sits in both neighbours, which
+the amplification needs). What q does not change: the sample-level and local events
+(a mixture of releases is no further apart than the releases themselves, joint
+quasi-convexity of the Renyi divergence, so the unamplified figures stay sound), and who
+the aggregator sees taking part. Why not a coin that skips the round (the textbook
+check-in): an absent member takes its noise share with it, the sum's noise then says how
+many took part, and no theorem here amplifies that. The price: a member whose coin says no
+still uploads (bandwidth), and the sum carries about q times the signal at the same
+noise. The server divides by q x survivors (the expected count of data senders).
+
 Server half (:class:`DeviceDpServer`): :func:`edge_sdk.ddp.decode_sum` of the survivors'
 ring sum (centered residue, times gamma, unrotated, padding dropped), divided by the
 number of survivors (the count the aggregator itself unmasked: post-processing, no
@@ -114,7 +133,7 @@ from edge_sdk.engine import Engine
 from edge_sdk.mechanisms._layout import Layout, LayoutServer, shaped
 from edge_sdk.mechanisms.base import Contribution
 from edge_sdk.model import flatten_params
-from edge_sdk.privacy.events import Event
+from edge_sdk.privacy.events import Event, SelfSampled
 from edge_sdk.train import LocalTraining, local_round, round_event
 from edge_sdk.wire import DeviceDpParams, RoundPlan
 
@@ -252,14 +271,15 @@ def device_dp_public(*, steps: int, batch_size: int, lr: float, sampling: str,
                      gamma: float, noise_multiplier: float, sparsity: float, dim: int,
                      cohort_size: int, honest: int,
                      wrap_probability: float = WRAP_PROBABILITY, ring_bound: str = "bounded",
-                     indicator_scale: float = 0.0,
+                     indicator_scale: float = 0.0, sample_rate: float = 1.0,
                      ) -> tuple[DeviceDpParams, int, int]:
     """The server's choice for one round: (the plan's record, bits, length k').
 
     sigma is calibrated on the ``honest`` = min_survivors - max_colluders shares the
     devices account and check (:func:`device_sigma`, for the bound :func:`joint_clip` of S
     and the ``indicator_scale`` c); bits on all ``cohort_size`` shares (:func:`ring_bits`
-    with ``bound=ring_bound``).
+    with ``bound=ring_bound``; a member whose coin says no sends zeros, which only narrows
+    the sum). ``sample_rate``: q of self-sampled check-ins (the module docstring).
 
     Raises:
         ValueError: ``honest`` outside [1, cohort_size], more than 62 bits needed, or bad
@@ -277,7 +297,7 @@ def device_dp_public(*, steps: int, batch_size: int, lr: float, sampling: str,
         steps=steps, batch_size=batch_size, lr=lr, sampling=sampling, local_clip=local_clip,
         local_noise_multiplier=local_noise_multiplier, update_clip=update_clip, gamma=gamma,
         noise_multiplier=noise_multiplier, sigma=sigma, sparsity=sparsity,
-        indicator_scale=indicator_scale)
+        indicator_scale=indicator_scale, sample_rate=sample_rate)
     return params, bits, length
 
 
@@ -298,6 +318,8 @@ class DeviceDpRound:
         cohort_size: members of the cohort.
         round_seed: the plan's public seed (the rotation's signs).
         indicator_scale: c of adaptive clipping (0: fixed clipping; module docstring).
+        sample_rate: q of self-sampled check-ins in (0, 1] (1: always the data; module
+            docstring).
 
     Raises:
         ValueError: ``length`` is not padded_dim(k) of rand-k at p of d, bits beyond 62,
@@ -316,11 +338,14 @@ class DeviceDpRound:
     cohort_size: int
     round_seed: bytes
     indicator_scale: float = 0.0
+    sample_rate: float = 1.0
 
     def __post_init__(self) -> None:
         c = self.indicator_scale
         if not (math.isfinite(c) and c >= 0):
             raise ValueError(f"indicator_scale must be finite and >= 0, got {c!r}")
+        if not 0 < self.sample_rate <= 1:
+            raise ValueError(f"sample_rate must be in (0, 1], got {self.sample_rate!r}")
         n = vector_length(self.dim, self.sparsity, c)
         if self.length != ddp.padded_dim(n):
             raise ValueError(f"length {self.length}, but rand-k at p = {self.sparsity} of "
@@ -369,7 +394,8 @@ class DeviceDpRound:
         return cls(training=training, update_clip=w.update_clip, gamma=w.gamma,
                    noise_multiplier=w.noise_multiplier, sigma=w.sigma, sparsity=w.sparsity,
                    bits=plan.bits, dim=dim, length=plan.length, cohort_size=len(plan.cohort),
-                   round_seed=plan.round_seed, indicator_scale=w.indicator_scale)
+                   round_seed=plan.round_seed, indicator_scale=w.indicator_scale,
+                   sample_rate=w.sample_rate)
 
 
 def local_update(engine: Engine, params: Sequence[np.ndarray], x: np.ndarray, y: np.ndarray,
@@ -424,9 +450,14 @@ class DeviceDpDevice:
 
     def device_event(self, *, honest: int) -> Event:
         """The device-level zero-out event of one round over ``honest`` shares (module
-        docstring): KLS 2021 Theorem 1 at D2, the device's noise share in the sum."""
+        docstring): KLS 2021 Theorem 1 at D2, the device's noise share in the sum; with
+        self-sampling (q < 1) that release behind the device's own coin,
+        :class:`~edge_sdk.privacy.SelfSampled` (Zhu and Wang 2019, Theorem 6)."""
         p = self.params
-        return ddp.event(p.encoding, honest, p.values, adjacency="zero_out")
+        inner = ddp.event(p.encoding, honest, p.values, adjacency="zero_out")
+        if p.sample_rate == 1.0:
+            return inner
+        return SelfSampled(event=inner, sample_rate=p.sample_rate)  # type: ignore[arg-type]
 
     def contribute(self, *, params: Sequence[np.ndarray], data: tuple[np.ndarray, np.ndarray],
                    engine: Engine, coords: np.ndarray | None, honest: int,
@@ -450,6 +481,10 @@ class DeviceDpDevice:
             below = 1.0 if norm <= p.update_clip else 0.0
             clipped = kept * min(1.0, p.update_clip / norm) if norm > 0 else kept
             kept = np.append(clipped, p.indicator_scale * (below - 0.5))
+        # self-sampling: the coin after the training, whatever it says (the time an upload
+        # takes must not tell b), the null record (all zeros, the indicator's too) if no
+        if p.sample_rate < 1.0 and not rng.random() < p.sample_rate:
+            kept = np.zeros_like(kept)
         values = ddp.encode_device(kept, p.encoding, p.round_seed, rng)
         event, aggregate = self.events(m=len(y), honest=honest)
         return Contribution(values=values, event=event, aggregate_event=aggregate,
@@ -474,7 +509,9 @@ class DeviceDpServer(LayoutServer):
             raise ValueError(f"survivors must be an integer >= 1, got {survivors!r}")
         summed = ddp.decode_sum(np.asarray(total), p.encoding, p.round_seed, p.values,
                                 survivors)[:p.kept]
-        return shaped(summed / survivors, p.dim, coords, state), state
+        # self-sampling: q x survivors members are expected to have sent their data (the
+        # fixed denominator of DP-FedAvg: an unbiased mean, the count itself never seen)
+        return shaped(summed / (p.sample_rate * survivors), p.dim, coords, state), state
 
     def quantile(self, total: np.ndarray, survivors: int) -> float | None:
         """Adaptive clipping's noised fraction of the ``survivors`` whose update norm was
@@ -485,8 +522,9 @@ class DeviceDpServer(LayoutServer):
             return None
         summed = ddp.decode_sum(np.asarray(total), p.encoding, p.round_seed, p.values,
                                 survivors)
-        count = summed[p.kept] / p.indicator_scale + survivors / 2.0
-        return min(1.0, max(0.0, float(count) / survivors))
+        expected = p.sample_rate * survivors  # members expected to have sent their data
+        count = summed[p.kept] / p.indicator_scale + expected / 2.0
+        return min(1.0, max(0.0, float(count) / expected))
 
 
 class DeviceDp:

@@ -27,6 +27,9 @@ substitution sensitivity, 2C for a sum of per-sample gradients clipped to C);
 sensitivities are stated by whoever builds them, for the relation they name; the record is
 a device in :func:`edge_sdk.ddp.event`, a sample in the simulator's ``ddg`` plan: each
 producer's docstring says which). Their RDP bounds are in :mod:`edge_sdk.privacy.discrete`.
+:class:`SelfSampled` wraps one discrete release in which the record (a device) took part
+with probability q by its own hidden coin; zero-out only (its theorem needs the null record
+in the same place in both neighbours).
 :class:`Binomial` (the cpSGD binomial mechanism) substitution or zero-out; it carries no
 RDP curve but a restricted Renyi moment and an additive delta0
 (:mod:`edge_sdk.privacy.binomial`), which only :class:`~edge_sdk.privacy.rdp.RdpAccountant`
@@ -51,7 +54,9 @@ raises; accountants compose only events restated to their own adjacency. Its rul
 3. add/remove or zero-out -> substitution, for :class:`Gaussian` only: by the triangle
    inequality through D without the record (or with the null record) the substitution
    sensitivity is at most twice the other, so z becomes z / 2.
-4. Anything else (zero-out or substitution -> add/remove; a subsampled event -> substitution;
+4. :class:`SelfSampled` is stated under zero-out and restates to nothing else (its inner
+   event stays under zero-out; see the class).
+5. Anything else (zero-out or substitution -> add/remove; a subsampled event -> substitution;
    a discrete event -> substitution, or add/remove -> zero-out: a device that is the null
    record still adds its noise share, one that is absent does not) has no general sound
    conversion: :class:`UnsupportedEventError`.
@@ -80,6 +85,7 @@ __all__ = [
     "PoissonSubsampledGaussian",
     "SampledWithoutReplacementGaussian",
     "SelfComposed",
+    "SelfSampled",
     "UnsupportedEventError",
     "adjacencies_of",
     "restate",
@@ -385,6 +391,51 @@ class Binomial:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SelfSampled:
+    """One discrete release in which the record took part with probability q, by a coin
+    that only it saw (issue 16's self-sampled check-ins).
+
+    The record is a device. Each time it takes part in a round it draws b ~ Bernoulli(q)
+    from its own CSPRNG and uploads its clipped update if b = 1, the zero vector (the null
+    record) if b = 0, its noise share either way; the upload is masked, so nobody who sees
+    less than the secure sum learns b. Under device-level zero-out (neighbour: the same
+    device with the null record; the coin independent of the data; everything else the
+    same) the two output laws are P = (1 - q) mu_0 + q mu_1 and Q = mu_0, with (mu_1, mu_0)
+    a zero-out pair of :attr:`event` (the null record is what b = 0 sends, so it sits in
+    the same place in both neighbours: the "dummy record" condition under which Poisson
+    subsampling amplifies). That is the Poisson-subsampled mechanism of Zhu and Wang 2019
+    ("Poisson subsampled Renyi differential privacy", ICML), whose Theorem 6 bounds its
+    RDP at integer orders, in both directions, by the inner mechanism's RDP curve alone;
+    :func:`edge_sdk.privacy.rdp.rdp_self_sampled` computes it.
+
+    Attributes:
+        event: the inner release (one step), a :class:`DistributedDiscreteGaussian` or
+            :class:`DistributedSkellam` stated under zero-out.
+        sample_rate: q in (0, 1], the probability that the record's data is in.
+    """
+
+    event: DistributedDiscreteGaussian | DistributedSkellam
+    sample_rate: float
+
+    def __post_init__(self) -> None:
+        e = self.event
+        if not isinstance(e, DistributedDiscreteGaussian | DistributedSkellam):
+            raise ValueError("SelfSampled.event must be a DistributedDiscreteGaussian or "
+                             f"DistributedSkellam, got {type(e).__name__}")
+        if e.adjacency != "zero_out" or e.steps != 1:
+            raise ValueError("SelfSampled.event must be one release (steps 1) under zero-out "
+                             f"adjacency, got steps {e.steps} under {e.adjacency}")
+        q = self.sample_rate
+        if isinstance(q, bool) or not isinstance(q, numbers.Real) or not 0 < q <= 1:
+            raise ValueError(f"sample_rate must be in (0, 1], got {q!r}")
+
+    @property
+    def adjacency(self) -> Adjacency:
+        """Always ``"zero_out"`` (the inner event's)."""
+        return "zero_out"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SelfComposed:
     """One event run ``count`` times in a row (``dp_accounting``'s ``SelfComposedDpEvent``).
 
@@ -438,11 +489,12 @@ DiscreteEvent: TypeAlias = DistributedDiscreteGaussian | DistributedSkellam
 
 Event: TypeAlias = (
     Gaussian | PoissonSubsampledGaussian | SampledWithoutReplacementGaussian
-    | DistributedDiscreteGaussian | DistributedSkellam | Binomial | Composed | SelfComposed
+    | DistributedDiscreteGaussian | DistributedSkellam | Binomial | SelfSampled | Composed
+    | SelfComposed
 )
 _EVENT_TYPES = (Gaussian, PoissonSubsampledGaussian, SampledWithoutReplacementGaussian,
-                DistributedDiscreteGaussian, DistributedSkellam, Binomial, Composed,
-                SelfComposed)
+                DistributedDiscreteGaussian, DistributedSkellam, Binomial, SelfSampled,
+                Composed, SelfComposed)
 
 #: Event types whose mechanism ignores a null record (rule 2 of the module docstring):
 #: their add/remove bounds hold for zero-out pairs unchanged.
@@ -470,6 +522,10 @@ def restate(event: Event, adjacency: Adjacency) -> Event:
     have = event.adjacency
     if have == adjacency:
         return event
+    if isinstance(event, SelfSampled):
+        raise UnsupportedEventError(
+            f"SelfSampled is stated under zero-out adjacency only (its amplification needs "
+            f"the null record in both neighbours); no sound restatement under {adjacency}")
     if adjacency == "zero_out" and (
         have == "substitution" or isinstance(event, IGNORES_NULL_RECORD)
     ):

@@ -14,6 +14,10 @@ What is computed, and how tight:
 * Gaussian on a batch drawn without replacement (substitution): the upper bound of Wang,
   Balle, Kasiviswanathan 2019, Theorem 27, at integer orders >= 2, and its convex
   (log-moment) interpolation in between (their Corollary 10).
+* A discrete release the device took part in by its own coin of probability q
+  (:class:`~edge_sdk.privacy.events.SelfSampled`, zero-out): the general upper bound of
+  Zhu and Wang 2019, Theorem 6, on the inner release's RDP curve, at the integer order
+  ceil(a) (RDP grows with the order), and never above the inner curve itself.
 * Conversion to (eps, delta): the improved bound of Balle et al. 2020 / Canonne, Kamath,
   Steinke 2020, with the classic bound of Mironov 2017 (Prop. 3) alongside.
 * The cpSGD binomial mechanism (:class:`~edge_sdk.privacy.events.Binomial`) has no RDP
@@ -72,6 +76,7 @@ from edge_sdk.privacy.events import (
     PoissonSubsampledGaussian,
     SampledWithoutReplacementGaussian,
     SelfComposed,
+    SelfSampled,
     UnsupportedEventError,
     restate,
 )
@@ -86,6 +91,7 @@ __all__ = [
     "rdp_of",
     "rdp_poisson_subsampled_gaussian",
     "rdp_sampled_without_replacement_gaussian",
+    "rdp_self_sampled",
     "rdp_to_epsilon",
     "rdp_to_epsilon_classic",
 ]
@@ -601,6 +607,67 @@ def _wor_rdp(q: float, z: float, a: np.ndarray) -> np.ndarray:
     return np.array(_rdp_wor_cached(q, z, tuple(a.tolist())))
 
 
+# ------------------------------------------------------------- self-sampled releases
+
+
+def _log_binom(n: int, k: np.ndarray) -> np.ndarray:
+    return (math.lgamma(n + 1) - np.array([math.lgamma(j + 1) for j in k])
+            - np.array([math.lgamma(n - j + 1) for j in k]))
+
+
+def zhu_wang_bound(inner: np.ndarray, q: float, order: int) -> float:
+    """Zhu and Wang 2019 (ICML), Theorem 6: the RDP at integer ``order`` m >= 2 of a
+    mechanism run on a Poisson subsample of rate ``q`` in (0, 1), from the RDP eps(l) of
+    the mechanism itself at the integer orders l = 2..m (``inner[l - 2]``), both directions
+    of a pair in which the record is in the sample or is the null record:
+
+        1/(m-1) log[ (1-q)^(m-1) (1 + (m-1) q) + C(m,2) q^2 (1-q)^(m-2) e^eps(2)
+                     + 3 sum_{l=3..m} C(m,l) q^l (1-q)^(m-l) e^((l-1) eps(l)) ].
+
+    (The first direction alone is the binomial expansion of E_Q[(1 - q + q L)^m] with
+    E_Q[L^l] = e^((l-1) D_l) <= e^((l-1) eps(l)); the factor 3 pays for the other.)
+    Infinite if any eps(l) is.
+    """
+    m = int(order)
+    if m < 2 or not 0 < q < 1 or len(inner) < m - 1:
+        raise ValueError(f"need an integer order >= 2, q in (0, 1) and eps(2..{m}); got "
+                         f"order {order!r}, q {q!r}, {len(inner)} values")
+    eps = np.asarray(inner[: m - 1], dtype=np.float64)
+    if not np.all(np.isfinite(eps)):
+        return math.inf
+    lq, l1q = math.log(q), math.log1p(-q)
+    terms = [(m - 1) * l1q + math.log1p((m - 1) * q)]
+    ls = np.arange(2, m + 1)
+    logs = (_log_binom(m, ls) + ls * lq + (m - ls) * l1q + (ls - 1) * eps
+            + np.where(ls >= 3, math.log(3.0), 0.0))
+    return float(logsumexp(np.concatenate([terms, logs]))) / (m - 1)
+
+
+def rdp_self_sampled(event: SelfSampled, orders: Iterable[float] = DEFAULT_ORDERS) -> np.ndarray:
+    """RDP (nats) at each order of one :class:`~edge_sdk.privacy.events.SelfSampled`
+    release, device-level zero-out: at order a, the least of the inner release's own RDP
+    at a (a mixture of the pair is no further apart than the pair: joint quasi-convexity
+    of the Renyi divergence) and :func:`zhu_wang_bound` at the integer order ceil(a) (at
+    least 2), on the inner curve (KLS 2021 Theorem 1 for the discrete Gaussian, AKL 2021
+    Theorem 3.5 for Skellam) at the integer orders. q = 1: the inner curve.
+    """
+    a = _as_orders(orders)
+    return np.array(_self_sampled_cached(event, tuple(a.tolist())))
+
+
+@functools.lru_cache(maxsize=256)
+def _self_sampled_cached(event: SelfSampled, orders: tuple[float, ...]) -> tuple[float, ...]:
+    a = np.array(orders)
+    own = _rdp_of(event.event, a)
+    q = float(event.sample_rate)
+    if q == 1.0:
+        return tuple(own.tolist())
+    ms = np.maximum(2, np.ceil(a - 1e-12)).astype(int)
+    inner = _rdp_of(event.event, np.arange(2, int(ms.max()) + 1, dtype=np.float64))
+    bound = {m: zhu_wang_bound(inner, q, m) for m in sorted(set(ms.tolist()))}
+    return tuple(min(float(o), bound[m]) for o, m in zip(own, ms.tolist(), strict=True))
+
+
 # ------------------------------------------------------------------------------ events
 
 
@@ -669,6 +736,9 @@ def _rdp_of(event: Event, orders: np.ndarray) -> np.ndarray:
         return total
     if isinstance(event, SelfComposed):
         return event.count * _rdp_of(event.event, orders)
+    if isinstance(event, SelfSampled):
+        # Zhu-Wang 2019 Thm 6 on the inner discrete curve (rdp_self_sampled).
+        return np.array(_self_sampled_cached(event, tuple(orders.tolist())))
     if isinstance(event, DistributedDiscreteGaussian):
         # KLS 2021 Thm 1 / Prop. 14, the bound of edge_sdk.privacy.discrete.
         return event.steps * rdp_distributed_discrete_gaussian(
@@ -743,7 +813,8 @@ def rdp_of(
         UnsupportedEventError: no sound restatement under ``adjacency``.
     """
     if adjacency is None:
-        discrete = isinstance(event, DistributedDiscreteGaussian | DistributedSkellam)
+        discrete = isinstance(event, DistributedDiscreteGaussian | DistributedSkellam
+                              | SelfSampled)
         adjacency = event.adjacency if discrete else "add_remove"  # type: ignore[union-attr]
     return compute_rdp(event, orders, adjacency=adjacency)
 

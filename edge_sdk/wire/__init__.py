@@ -1,4 +1,4 @@
-"""The bytes both sides agree on: one schema, one envelope, one version (protocol 6).
+"""The bytes both sides agree on: one schema, one envelope, one version (protocol 7).
 
 Modules, lowest first:
 

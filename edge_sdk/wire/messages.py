@@ -303,6 +303,9 @@ class DeviceDpParams(Record):
         indicator_scale: c, adaptive clipping's indicator (Andrew et al. 2021): each device
             appends c (b - 1/2), b = 1 if its update's norm was <= S, to the vector it
             clips, rotates and noises (L2 bound sqrt(S^2 + c^2/4)); 0: fixed clipping.
+        sample_rate: q, self-sampled check-ins (issue 16): each member sends its data with
+            probability q by its own hidden coin, the null record (zeros) otherwise, its
+            noise share either way; 1: always its data.
     """
 
     steps: int = Int(1, 1 << 20)
@@ -317,6 +320,7 @@ class DeviceDpParams(Record):
     sigma: float = Float(0.0)
     sparsity: float = Float(0.0, 1.0, open_lo=True)
     indicator_scale: float = Float(0.0)
+    sample_rate: float = Float(0.0, 1.0, open_lo=True)
 
 
 MECHANISM_PARAMS: Mapping[str, type[Record]] = MappingProxyType({
