@@ -94,6 +94,7 @@ __all__ = [
     "rdp_self_sampled",
     "rdp_to_epsilon",
     "rdp_to_epsilon_classic",
+    "zhu_wang_bound",
 ]
 
 # Fractional-order series: stop once a term in the alternating tail is below this
