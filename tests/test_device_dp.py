@@ -10,6 +10,7 @@ replaying its round's seeded rng through the same local-training call."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from typing import Any
@@ -807,3 +808,60 @@ def test_self_sample_rate_is_device_dp_only_and_in_range() -> None:
     from tools.simconfig import SimConfig
     with pytest.raises(ValueError, match="self_sample_rate applies to mechanism 'device-dp'"):
         SimConfig(self_sample_rate=0.5)
+
+
+@pytest.mark.parametrize(("z", "honest", "q"), [(0.6, 2, 0.3), (1.0, 3, 0.1), (1.0, 2, 0.7)])
+def test_self_sampled_claim_is_not_below_the_exact_mixture_of_the_real_release(
+        z: float, honest: int, q: float) -> None:
+    """The device half's own self-sampled event (d = 3, S / gamma = 2) against what an
+    adversary who sees the sum faces: Q = the sum of ``honest`` shares, P = (1 - q) Q + q (Q
+    shifted by the rounded update v), for every v conditional rounding can send (by the
+    pattern of |v_i|: the pmf is symmetric and the coordinates exchangeable), both orders of
+    the pair, exactly on the 3-d grid. The claim must be >= the worst at every order, and its
+    epsilon >= the worst pair's (from the exact RDP curve)."""
+    dim, s, gamma = 3, 2.0, 1.0
+    sigma = device_sigma(z, s, gamma, honest)
+    rnd = DeviceDpRound.from_plan(dataclasses.replace(
+        _tiny_plan(honest + 1), params=wire.DeviceDpParams(
+            steps=1, batch_size=1, lr=0.1, sampling="poisson", local_clip=1.0,
+            local_noise_multiplier=0.0, update_clip=s, gamma=gamma, noise_multiplier=z,
+            sigma=sigma, sparsity=1.0, indicator_scale=0.0, sample_rate=q)), dim=dim)
+    event = DeviceDpDevice(rnd).device_event(honest=honest)
+    assert isinstance(event, SelfSampled) and event.sample_rate == q
+    d2 = event.event.l2_sensitivity
+    assert d2 > s / gamma and event.event.devices == honest
+    orders = (1.5, 2.0, 3.0, 5.0, 8.0)
+    top = int(math.floor(d2))
+    half = int(math.ceil(12 * sigma)) + 2 * top + 2
+    lp0 = _log_pmf_sum(sigma, honest, half)  # one coordinate of Q, on [-H, H]
+    size = lp0.size
+    with np.errstate(divide="ignore"):
+        lp0 = np.maximum(lp0, -700.0)  # tails far below every term that matters
+
+    def log_ratio(shift: int) -> np.ndarray:  # log L_i(x) = log p0(x - shift) - log p0(x)
+        out = np.full(size, -700.0)
+        out[shift:] = lp0[: size - shift]
+        return out - lp0
+
+    def outer_sum(parts: list[np.ndarray]) -> np.ndarray:  # x -> sum_i parts[i][x_i]
+        return functools.reduce(np.add.outer, parts)
+
+    patterns = {tuple(sorted((abs(x) for x in v), reverse=True))
+                for v in itertools.product(range(-top, top + 1), repeat=dim)
+                if sum(x * x for x in v) <= d2 * d2} - {(0,) * dim}
+    logq = outer_sum([lp0] * dim)
+    worst = np.zeros(len(orders))
+    for pat in patterns:
+        log_l = outer_sum([log_ratio(k) for k in pat])
+        log_mix = np.logaddexp(math.log1p(-q), math.log(q) + log_l)  # log P/Q
+        for i, a in enumerate(orders):
+            pq = logsumexp(logq + a * log_mix) / (a - 1)  # D_a(P || Q)
+            qp = logsumexp(logq + (1 - a) * log_mix) / (a - 1)  # D_a(Q || P)
+            worst[i] = max(worst[i], pq, qp)
+    claimed = rdp_of(event, orders)
+    assert np.all(claimed >= worst), (claimed, worst)
+    assert worst.max() > 0.05 * claimed.max()  # a real worst case, not a straw
+    assert discrete_epsilon(event.event, DELTA, orders) >= rdp_to_epsilon(
+        worst, np.array(orders), DELTA)[0]
+    assert rdp_to_epsilon(claimed, np.array(orders), DELTA)[0] >= rdp_to_epsilon(
+        worst, np.array(orders), DELTA)[0]

@@ -94,6 +94,7 @@ __all__ = [
     "rho_to_epsilon",
     "rho_to_epsilon_bun_steinke",
     "rho_to_epsilon_cks",
+    "zhu_wang_bound",
 ]
 
 # The events (the data every module here speaks) load with the package; the accountants and
@@ -121,6 +122,7 @@ _LAZY: dict[str, str] = {
     "rdp_self_sampled": "rdp",
     "rdp_to_epsilon": "rdp",
     "rdp_to_epsilon_classic": "rdp",
+    "zhu_wang_bound": "rdp",
     "ZcdpAccountant": "zcdp",
     "compute_rho": "zcdp",
     "gaussian_rho": "zcdp",

@@ -922,8 +922,10 @@ def device_dp_fleet(exp: Any, records: list[dict[str, Any]], vdir: Path, docdir:
            "shared rand-k coordinates in a ring of 2^bits. Device-level eps is the ledgers' "
            "(max over devices: KLS 2021 Thm 1 over the honest shares, composed over the "
            "busiest device's rounds, zero-out of one device's data, semi-honest aggregator), "
-           "with no amplification by sampling: a device cannot verify the aggregator's "
-           "cohort sampling, so each participation is charged in full.", "", *lines, "",
+           "with no amplification by the aggregator's sampling: a device cannot verify "
+           "its cohort sampling, so each participation is charged in full (the "
+           "self-sampled rows: the release behind the device's own hidden coin, Zhu-Wang "
+           "2019 Thm 6).", "", *lines, "",
            _img(path, docdir, "accuracy vs device-level epsilon"), ""]
     if _is_quick(vdir):
         out.append("Quick variant (digits, logreg): pipeline check only; no claim is judged.")
