@@ -54,6 +54,9 @@ def _fake_sections(calls: list[str]) -> list[Section]:
     def accountant(out: TextIO) -> Any:
         return [_accountant_row(1000, 12.0, 2.0), _accountant_row(70000, 3.0, 0.5)]
 
+    def ledger(out: TextIO) -> Any:
+        return [{"history": "distinct", "entries": 10_000, "epsilon_if_ms": 4.0}]
+
     def secagg(out: TextIO) -> Any:
         return [{**SECAGG_KEY, "client_mask_over_bound": 1.1,
                  "server_unmask_over_bound": 2.5}]
@@ -66,7 +69,7 @@ def _fake_sections(calls: list[str]) -> list[Section]:
 
     return [Section("client", "1. Client", client), Section("stacks", "1b. Stacks", stacks),
             Section("accountant", "2. Accountant", accountant),
-            Section("secagg", "3. SecAgg", secagg), Section("fleet_mqtt", "4. Fleet", fleet),
+            Section("ledger", "2b. Ledger", ledger), Section("secagg", "3. SecAgg", secagg), Section("fleet_mqtt", "4. Fleet", fleet),
             Section("wire", "5. Wire", broken)]
 
 

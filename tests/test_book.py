@@ -267,3 +267,45 @@ def test_ledger_figures_are_bit_identical_to_the_uncached_accountant(tmp_path) -
         extra = _plan(99, 3, False)
         assert led.epsilon_if(extra) == epsilon_rdp([p.event for p in plans] + [extra.event],
                                                     DELTA)
+
+
+def test_running_composition_is_bit_identical_over_many_distinct_and_repeated_events() -> None:
+    """The book's running RDP composition (issue 18: a question costs the same at 10 and at
+    10,000 entries) against epsilon_rdp over the list, bit for bit: 300 distinct events
+    with repeats of early, middle and late ones interleaved, and what-if questions for a
+    new event and for each kind of repeated one."""
+    book = Book(budget=None, delta=DELTA)
+    events = [PoissonSubsampledGaussian(noise_multiplier=1.1, sample_rate=0.01 + i * 1e-4,
+                                        steps=5) for i in range(300)]
+    history: list = []
+    for i, event in enumerate(events):
+        for e in ([event] if i % 7 else [event, events[0], events[i // 2]]):
+            book.reserve(Plan(round_id=f"r{len(history)}", model_id="m", event=e))
+            history.append(e)
+        if i % 50 == 49:
+            assert book.spent().local_epsilon == epsilon_rdp(history, DELTA)
+            for extra in (events[0], events[i // 2], events[i], DPSGD):
+                plan = Plan(round_id="x", model_id="m", event=extra)
+                assert book.epsilon_if(plan) == epsilon_rdp([*history, extra], DELTA)
+
+
+def test_running_composition_hands_binomial_and_refused_events_to_the_accountant() -> None:
+    """A Binomial event (its own orders, restricted moments) and an event the accountant
+    refuses take the general path: the same answer, or the same error, as epsilon_rdp."""
+    from edge_sdk.privacy import Binomial, DistributedSkellam
+    binomial = Binomial(trials=2000, l2_sensitivity=1.0, linf_sensitivity=1.0,
+                        l1_sensitivity=1.0, dim=10, orders=(2.0, 4.0, 8.0),
+                        rho=(0.01, 0.03, 0.08), delta0=1e-9)
+    book = Book(budget=None, delta=DELTA)
+    book.reserve(Plan(round_id="a", model_id="m", event=DPSGD))
+    plan = Plan(round_id="b", model_id="m", event=binomial)
+    assert book.epsilon_if(plan) == epsilon_rdp([DPSGD, binomial], DELTA)
+    book.reserve(plan)
+    book.reserve(Plan(round_id="c", model_id="m", event=DPSGD))
+    assert book.spent().local_epsilon == epsilon_rdp([DPSGD, binomial, DPSGD], DELTA)
+    # stated under add/remove, a Skellam sum has no sound zero-out restatement
+    bad = DistributedSkellam(l1_sensitivity=1e4, l2_sensitivity=100.0, mu=5e3, devices=10)
+    with pytest.raises(ValueError) as want:
+        epsilon_rdp([DPSGD, bad], DELTA)
+    with pytest.raises(type(want.value), match=str(want.value)[:40]):
+        Book(budget=None, delta=DELTA).epsilon_if(Plan(round_id="d", model_id="m", event=bad))

@@ -222,13 +222,14 @@ def _export(args: argparse.Namespace) -> int:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks against a reference measured in the same run")
     p.add_argument("what",
-                   choices=["all", "client", "stacks", "wire", "accountant", "secagg", "envelope",
-                            "compare"],
+                   choices=["all", "client", "stacks", "wire", "accountant", "ledger", "secagg",
+                            "envelope", "compare"],
                    help="all: every benchmark, written to docs/benchmarks.md (shortfalls "
                         "against the issues' targets at the top); client: DP-SGD step, fedge "
                         "vs Opacus, beside the FLOP floor; stacks: import time and installed "
                         "size, device stack vs torch + Opacus; wire: bytes per upload; "
-                        "accountant: fedge vs dp_accounting; secagg: one full SecAgg+ "
+                        "accountant: fedge vs dp_accounting; ledger: epsilon_if on a durable "
+                        "ledger of 10,000 entries; secagg: one full SecAgg+ "
                         "round vs the mask PRG's floor (needs --clients, --dim, --dropout); "
                         "envelope: one device round pinned to one core under 512 MiB; "
                         "compare BEFORE AFTER [AFTER ...]: every ratio of `bench all "
@@ -329,6 +330,10 @@ def _bench(args: argparse.Namespace) -> int:
         from tools.bench.accountant import run_accountant_bench
 
         result = {"accountant": run_accountant_bench(quick=args.quick)}
+    elif args.what == "ledger":
+        from tools.bench.ledger import run_ledger_bench
+
+        result = {"ledger": run_ledger_bench(quick=args.quick)}
     elif args.what == "secagg":
         result = _bench_secagg(args)
     else:

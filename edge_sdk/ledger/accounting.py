@@ -29,7 +29,10 @@ mechanisms that ignore the null record unchanged), or the ledger refuses it.
   aggregate event: conservative, never an under-count.
 
 Composition commutes, so an accountant's answer depends on the events only through their
-multiset; :class:`EpsilonCache` reuses answers per distinct multiset (plan15 R7).
+multiset; :class:`EpsilonCache` reuses answers per distinct multiset (plan15 R7). With the
+default accountant a :class:`Book` also keeps the RDP composition of each view up to date
+entry by entry (:class:`_RdpTally`), so a question costs one event's curve and one
+conversion however long the history (issue 18: 10,000 entries answered in well under 50 ms).
 
 Two units (issue 16). The figures above are SAMPLE-level: the record is one sample of the
 device's data. A reservation may also carry a DEVICE-level event (``Plan.device_event``,
@@ -58,6 +61,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
+import numpy as np
+
 from edge_sdk.errors import EdgeError
 from edge_sdk.privacy import (
     DEFAULT_ORDERS,
@@ -73,6 +78,7 @@ from edge_sdk.privacy import (
     SampledWithoutReplacementGaussian,
     SelfComposed,
     SelfSampled,
+    rdp_to_epsilon,
     restate,
 )
 
@@ -567,6 +573,97 @@ def epsilon_rdp(events: Sequence[Event], delta: float) -> float:
     return acc.get_epsilon(delta)
 
 
+def _has_binomial(event: Event) -> bool:
+    return any(isinstance(leaf, Binomial) for leaf in _leaves(event))
+
+
+class _RdpTally:
+    """:func:`epsilon_rdp` of a growing list of events, kept composed as they come, with
+    the same arithmetic to the last bit: epsilon_rdp sums count x curve over the distinct
+    events in order of first appearance; the tally keeps those terms' running (prefix)
+    sums, so a new event costs one curve (memoised by the accountant) and one addition, a
+    repeated one recomputes the prefix sums from its row on (one numpy ``cumsum``,
+    sequential like epsilon_rdp's loop), and :meth:`epsilon` one conversion: a question
+    costs the same for 10 entries as for 10,000 (issue 18).
+
+    Binomial events (cpSGD baselines only: their restricted moments change the orders and
+    the conversion) and any event the accountant refuses make the tally hand every later
+    question to :func:`epsilon_rdp` with the full list, which answers or raises as it
+    always did.
+    """
+
+    __slots__ = ("_broken", "_counts", "_curves", "_index", "_orders", "_prefix", "_size",
+                 "_valid")
+
+    def __init__(self) -> None:
+        self._orders = np.asarray(DEFAULT_ORDERS, dtype=np.float64)
+        self._index: dict[Event, int] = {}  # distinct event -> row, first appearance first
+        self._counts = np.zeros(16)
+        self._curves = np.zeros((16, self._orders.size))  # one event's RDP curve per row
+        self._prefix = np.zeros_like(self._curves)  # sum of count x curve over rows <= i
+        self._size = 0  # rows in use
+        self._valid = 0  # prefix rows up to date
+        self._broken = False
+
+    def _curve(self, event: Event) -> np.ndarray:
+        # 0 + 1 x curve: the increment exactly, through the accountant's own validation
+        return RdpAccountant(self._orders, adjacency=ADJACENCY).compose(event).rdp
+
+    def add(self, event: Event) -> None:
+        if self._broken:
+            return
+        row = self._index.get(event)
+        if row is not None:
+            self._counts[row] += 1
+            self._valid = min(self._valid, row)
+            return
+        try:
+            if _has_binomial(event):
+                raise ValueError("restricted moments: epsilon_rdp's general path")
+            curve = self._curve(event)
+        except ValueError:  # UnsupportedEventError is one: epsilon_rdp will say so
+            self._broken = True
+            return
+        if self._size == self._counts.size:  # grow by doubling
+            grow = self._counts.size
+            self._counts = np.concatenate([self._counts, np.zeros(grow)])
+            self._curves = np.vstack([self._curves, np.zeros_like(self._curves)])
+            self._prefix = np.vstack([self._prefix, np.zeros_like(self._prefix)])
+        row = self._size
+        self._index[event] = row
+        self._counts[row], self._curves[row] = 1.0, curve
+        self._size += 1
+
+    def _sum(self, start: int, stop: int, bump: int | None = None) -> np.ndarray:
+        """The prefix sums of rows [start, stop) (from the valid row start - 1), with one
+        more of row ``bump``; sequential, as epsilon_rdp composes."""
+        counts = self._counts[start:stop].copy()
+        if bump is not None:
+            counts[bump - start] += 1
+        terms = counts[:, None] * self._curves[start:stop]
+        if start:
+            terms[0] = self._prefix[start - 1] + terms[0]
+        return np.cumsum(terms, axis=0)
+
+    def epsilon(self, delta: float, extra: Event | None,
+                events: Callable[[], list[Event]]) -> float:
+        """Epsilon (nats) at ``delta`` of the events added and ``extra`` (None: none);
+        ``events()`` lists them all, for the general path."""
+        if self._broken or (extra is not None and _has_binomial(extra)):
+            return epsilon_rdp(events(), delta)
+        if self._valid < self._size:
+            self._prefix[self._valid:self._size] = self._sum(self._valid, self._size)
+            self._valid = self._size
+        total = self._prefix[self._size - 1] if self._size else np.zeros_like(self._orders)
+        if extra is not None:
+            row = self._index.get(extra)
+            if row is None:
+                total = total + self._curve(extra)  # a new event: appended, count 1
+            else:
+                total = self._sum(row, self._size, bump=row)[-1]
+        return rdp_to_epsilon(total, self._orders, delta)[0]
+
+
 def epsilon_pld(events: Sequence[Event], delta: float) -> float:
     """Epsilon (nats) at ``delta`` under zero-out adjacency, by the PLD accountant where it
     applies (no sampling without replacement, no discrete or Binomial events: those the PLD
@@ -661,9 +758,12 @@ class EpsilonCache:
         self._memo: OrderedDict[tuple[Any, ...], tuple[EpsilonOf, float]] = OrderedDict()
 
     def epsilon(self, accountant: EpsilonOf, counts: Counter[Event], delta: float,
-                events: Callable[[], list[Event]]) -> float:
+                events: Callable[[], list[Event]],
+                compute: Callable[[], float] | None = None) -> float:
         """``accountant(events(), delta)``, checked, or the answer already given for the same
-        ``counts`` (the multiset of ``events()``, in order of first appearance).
+        ``counts`` (the multiset of ``events()``, in order of first appearance). ``compute``,
+        when given, answers the same question faster (a :class:`Book`'s running
+        composition for :func:`epsilon_rdp`) and is asked instead of ``accountant``.
 
         Raises:
             LedgerError: the accountant returned NaN, a negative number or a non-number.
@@ -675,7 +775,8 @@ class EpsilonCache:
             self.hits += 1
             return held[1]
         self.misses += 1
-        value = _checked_epsilon(accountant(events(), delta), _name(accountant))
+        value = _checked_epsilon(accountant(events(), delta) if compute is None else compute(),
+                                 _name(accountant))
         if self.max_entries:
             self._memo[key] = (accountant, value)
             if len(self._memo) > self.max_entries:
@@ -717,7 +818,7 @@ class Book:
     """
 
     __slots__ = ("_aggregate", "_cache", "_closed", "_count", "_device", "_local",
-                 "_no_device", "_reservations", "accountant", "budget", "delta")
+                 "_no_device", "_reservations", "_tallies", "accountant", "budget", "delta")
 
     def __init__(self, *, budget: Budget | None, delta: float | None = None,
                  accountant: EpsilonOf = epsilon_rdp, cache: EpsilonCache | None = None) -> None:
@@ -745,6 +846,10 @@ class Book:
         self._aggregate: Counter[Event] = Counter()
         self._device: Counter[Event] = Counter()  # the device-level events present
         self._no_device = 0  # reservations without one: the device figure is then None
+        # the default accountant's composition of each view, kept up to date (_RdpTally)
+        self._tallies: dict[str, _RdpTally] | None = (
+            {v: _RdpTally() for v in ("local", "aggregate", "device")}
+            if accountant is epsilon_rdp else None)
 
     # ------------------------------------------------------------------------ epsilon
 
@@ -765,7 +870,15 @@ class Book:
             return [e for e in (out if extra is None else [*out, extra.device_event])
                     if e is not None]
 
-        return self._cache.epsilon(self.accountant, counts, delta, events)
+        return self._ask("device", counts, delta,
+                         None if extra is None else extra.device_event, events)
+
+    def _ask(self, view: str, counts: Counter[Event], delta: float, extra: Event | None,
+             events: Callable[[], list[Event]]) -> float:
+        tally = None if self._tallies is None else self._tallies[view]
+        return self._cache.epsilon(
+            self.accountant, counts, delta, events,
+            None if tally is None else lambda: tally.epsilon(delta, extra, events))
 
     def _epsilon(self, view: Literal["local", "aggregate"], delta: float,
                  extra: Event | None = None) -> float:
@@ -781,7 +894,7 @@ class Book:
                    for r in self._reservations.values()]
             return out if extra is None else [*out, extra]
 
-        return self._cache.epsilon(self.accountant, counts, delta, events)
+        return self._ask(view, counts, delta, extra, events)
 
     def epsilon_if(self, plan: Plan) -> float:
         """Local epsilon (nats) at :attr:`delta` after ``plan``, on top of every reservation
@@ -871,6 +984,11 @@ class Book:
             self._no_device += 1
         else:
             self._device[plan.device_event] += 1
+        if self._tallies is not None:
+            self._tallies["local"].add(plan.event)
+            self._tallies["aggregate"].add(plan.aggregate_event)
+            if plan.device_event is not None:
+                self._tallies["device"].add(plan.device_event)
         self._count += 1
         return reservation
 

@@ -86,6 +86,10 @@ TARGETS: tuple[Target, ...] = (
                          "equal or better accuracy (no slower)",
            section="accountant", where={"steps": 70_000},
            key="pld_tighter_grid_speedup", op=">=", bound=1.0),
+    Target(issue=18, what="ledger, 10,000 entries: epsilon_if ms (worst of new/repeated "
+                          "event, cold/warm)",
+           section="ledger", where={"entries": 10_000}, key="epsilon_if_ms", op="<=",
+           bound=50.0),
     Target(issue=5, what="secagg n=1000 d=1e5 10% dropouts: client masking / PRG floor",
            section="secagg",
            where={"clients": 1000, "dim": 100_000, "dropout": 0.1, "full_graph": False},
@@ -202,6 +206,11 @@ def _sections(quick: bool) -> list[Section]:
             print(f"| {r['steps']} | {r.get('reps', '')} | {' | '.join(cells)} |", file=out)
         return rows
 
+    def ledger(out: TextIO) -> Any:
+        from tools.bench.ledger import run_ledger_bench
+
+        return run_ledger_bench(out=out)  # 10,000 entries even in quick: the target's size
+
     def secagg(out: TextIO) -> Any:
         from tools.bench.secagg_grid import run_secagg_grid
 
@@ -231,6 +240,7 @@ def _sections(quick: bool) -> list[Section]:
                 stacks),
         Section("accountant", "2. Accountant: fedge RDP/PLD vs dp_accounting RDP/PLD",
                 accountant),
+        Section("ledger", "2b. Ledger: epsilon_if on 10,000 entries", ledger),
         Section("secagg", "3. Secure aggregation (SecAgg+ and the O(n^2) full graph) vs the "
                 "PRG and memory-bandwidth floors", secagg),
         Section("fleet_mqtt", "4. Fleet over MQTT: device-rounds/min and broker bytes", fleet),
