@@ -3,7 +3,6 @@ answer against the accountant from scratch, and feeds issue 18's target."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from tools.bench import ledger as bench
