@@ -69,7 +69,8 @@ def _fake_sections(calls: list[str]) -> list[Section]:
 
     return [Section("client", "1. Client", client), Section("stacks", "1b. Stacks", stacks),
             Section("accountant", "2. Accountant", accountant),
-            Section("ledger", "2b. Ledger", ledger), Section("secagg", "3. SecAgg", secagg), Section("fleet_mqtt", "4. Fleet", fleet),
+            Section("ledger", "2b. Ledger", ledger), Section("secagg", "3. SecAgg", secagg),
+            Section("fleet_mqtt", "4. Fleet", fleet),
             Section("wire", "5. Wire", broken)]
 
 
