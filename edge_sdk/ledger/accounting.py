@@ -598,8 +598,10 @@ class _RdpTally:
     def __init__(self) -> None:
         self._orders = np.asarray(DEFAULT_ORDERS, dtype=np.float64)
         self._index: dict[Event, int] = {}  # distinct event -> row, first appearance first
-        self._counts = np.zeros(16)
-        self._curves = np.zeros((16, self._orders.size))  # one event's RDP curve per row
+        # two rows to start, doubled as needed: a simulated fleet holds three tallies per
+        # device, and most devices compose one or two distinct events
+        self._counts = np.zeros(2)
+        self._curves = np.zeros((2, self._orders.size))  # one event's RDP curve per row
         self._prefix = np.zeros_like(self._curves)  # sum of count x curve over rows <= i
         self._size = 0  # rows in use
         self._valid = 0  # prefix rows up to date
