@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from exact_support import log_pmf_sum
 from scipy.special import logsumexp
 
 from aggregator.plain_sum import PlainSum
@@ -354,19 +355,6 @@ def test_device_budget_refuses_in_open_round(model) -> None:
 # --------------------------------------------------------------- the claim is not low
 
 
-def _log_pmf_sum(sigma: float, n: int, half: int) -> np.ndarray:
-    """log pmf of the sum of n N_Z(0, sigma^2) on [-n half, n half] (mass beyond +-half
-    per share is below exp(-half^2 / (2 sigma^2)))."""
-    z = np.arange(-half, half + 1, dtype=np.float64)
-    p = np.exp(-(z * z) / (2 * sigma * sigma))
-    p /= p.sum()
-    out = p
-    for _ in range(n - 1):
-        out = np.convolve(out, p)
-    with np.errstate(divide="ignore"):
-        return np.log(out)
-
-
 def _renyi_shift(logp: np.ndarray, shift: int, a: float) -> float:
     """D_a(Y + shift || Y) on a contiguous grid (shift >= 0)."""
     if shift == 0:
@@ -399,7 +387,7 @@ def test_claimed_epsilon_is_not_below_the_exact_worst_case(z: float, honest: int
     orders = (1.5, 2.0, 3.0, 5.0, 8.0)
     top = int(math.floor(d2))
     half = int(math.ceil(max(orders) * 2 * top + 40 * sigma)) + 10
-    logp = _log_pmf_sum(sigma, honest, half)
+    logp = log_pmf_sum(sigma, honest, half)
     per = {k: np.array([_renyi_shift(logp, k, a) for a in orders]) for k in range(2 * top + 1)}
     ball = [v for v in itertools.product(range(-top, top + 1), repeat=4)
             if sum(x * x for x in v) <= d2 * d2]
@@ -833,7 +821,7 @@ def test_self_sampled_claim_is_not_below_the_exact_mixture_of_the_real_release(
     orders = (1.5, 2.0, 3.0, 5.0, 8.0)
     top = int(math.floor(d2))
     half = int(math.ceil(12 * sigma)) + 2 * top + 2
-    lp0 = _log_pmf_sum(sigma, honest, half)  # one coordinate of Q, on [-H, H]
+    lp0 = log_pmf_sum(sigma, honest, half)  # one coordinate of Q
     size = lp0.size
     with np.errstate(divide="ignore"):
         lp0 = np.maximum(lp0, -700.0)  # tails far below every term that matters

@@ -19,6 +19,7 @@ import math
 import numpy as np
 import pytest
 from dp_accounting import dp_event, rdp
+from exact_support import log_pmf_sum
 
 from edge_sdk.privacy import (
     DistributedDiscreteGaussian,
@@ -76,18 +77,6 @@ def test_theorem_6_on_the_gaussian_is_above_both_directions(z: float, q: float) 
     assert np.all(claimed >= ref - 1e-12)
 
 
-def _log_pmf_sum(sigma: float, n: int, half: int) -> np.ndarray:
-    """log pmf of the sum of n N_Z(0, sigma^2), each truncated to [-half, half]."""
-    z = np.arange(-half, half + 1, dtype=np.float64)
-    p = np.exp(-(z * z) / (2 * sigma * sigma))
-    p /= p.sum()
-    out = p
-    for _ in range(n - 1):
-        out = np.convolve(out, p)
-    with np.errstate(divide="ignore"):
-        return np.log(out)
-
-
 def _inner(delta: int, sigma: float, n: int) -> DistributedDiscreteGaussian:
     return DistributedDiscreteGaussian(l2_sensitivity=float(delta), l1_sensitivity=float(delta),
                                        sigma=sigma, devices=n, dim=1, adjacency="zero_out")
@@ -104,7 +93,7 @@ def test_claimed_rdp_and_epsilon_are_not_below_the_exact_discrete_mixture(
     exact hockey-stick divergence of the pair."""
     orders = (1.5, 2.0, 2.5, 3.0, 5.0, 8.0, 16.0)
     half = int(math.ceil(40 * sigma + 2 * max(orders) * delta)) + 10
-    lmu0 = _log_pmf_sum(sigma, n, half)
+    lmu0 = log_pmf_sum(sigma, n, half)
     lmu1 = np.full(lmu0.size, -math.inf)
     lmu1[delta:] = lmu0[:-delta]
     exact = _mixture_divergences(lmu0, lmu1, q, orders)
