@@ -619,9 +619,10 @@ class _RdpTally:
             self._counts[row] += 1
             self._valid = min(self._valid, row)
             return
+        if _has_binomial(event):  # restricted moments: epsilon_rdp's general path
+            self._broken = True
+            return
         try:
-            if _has_binomial(event):
-                raise ValueError("restricted moments: epsilon_rdp's general path")
             curve = self._curve(event)
         except ValueError:  # UnsupportedEventError is one: epsilon_rdp will say so
             self._broken = True

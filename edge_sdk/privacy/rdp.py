@@ -1048,14 +1048,6 @@ class RdpAccountant:
         """The adjacency relation the guarantees are stated for."""
         return self._adjacency
 
-    def copy(self) -> RdpAccountant:
-        """An independent accountant holding the same composition (orders, adjacency, the
-        RDP and delta0 so far): for "what if" questions that must not change this one."""
-        out = RdpAccountant.__new__(RdpAccountant)
-        out._orders, out._rdp, out._adjacency = self._orders, self._rdp, self._adjacency
-        out._delta0, out._restricted = self._delta0, self._restricted
-        return out  # the arrays are shared but never written in place (compose rebinds)
-
     def supports(self, event: object) -> bool:
         """Whether :meth:`compose` takes ``event``: any event of the union, discrete ones
         included, that restates soundly under this accountant's adjacency (a Binomial one
