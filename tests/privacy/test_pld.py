@@ -235,3 +235,84 @@ def test_roundoff_bound_is_tracked_and_small() -> None:
     # Small deltas stay finite and ordered.
     eps = [acc.get_epsilon(d) for d in (1e-5, 1e-7, 1e-9)]
     assert eps[0] < eps[1] < eps[2] < math.inf
+
+
+# ------------------------------------------- the FFT power (issue 18: PLD at 5x dp_accounting)
+
+
+def _exact_self_composition(pld: DiscretePld, count: int) -> tuple[int, np.ndarray, float]:
+    """(offset, pmf, inf mass) of ``count`` runs by repeated direct convolution: no FFT,
+    no truncation (float64 sums of non-negative products, relative error ~count * u)."""
+    pmf = np.ones(1)
+    for _ in range(count):
+        pmf = np.convolve(pmf, pld.pmf)
+    return count * pld.offset, pmf, 1.0 - (1.0 - pld.inf_mass) ** count
+
+
+def _delta_of(offset: int, pmf: np.ndarray, inf_mass: float, interval: float, eps: float) -> float:
+    ell = (offset + np.arange(pmf.size)) * interval
+    above = ell > eps
+    return inf_mass + math.fsum(pmf[above] * -np.expm1(eps - ell[above]))
+
+
+@pytest.mark.parametrize(("z", "q", "h", "count"), [(1.0, 0.3, 0.02, 60), (0.8, 0.05, 0.01, 90),
+                                                    (2.0, 1.0, 0.01, 40)])
+@pytest.mark.parametrize("direction", ["remove", "add"])
+def test_fft_power_is_never_below_the_exact_composition(z, q, h, count, direction) -> None:
+    from edge_sdk.privacy.pld import _fft_power, _truncate
+
+    step = _truncate(discretize_subsampled_gaussian(z, q, h, direction=direction))
+    offset, exact, inf_exact = _exact_self_composition(step, count)
+    identity = DiscretePld(interval=h, offset=0, pmf=np.ones(1))
+    power = _fft_power(step, count, identity)
+    assert 0 < power.slack < 5e-11 and power.pmf.min() >= 0
+    # The round-off bound holds: the computed pmf is within slack of the exact one.
+    start = power.offset - offset
+    assert np.abs(power.pmf - exact[start : start + power.pmf.size]).sum() <= power.slack
+    for eps in np.linspace(0.0, float(power.losses[-1]), 25):
+        truth = _delta_of(offset, exact, inf_exact, h, float(eps))
+        ours = power.get_delta(float(eps))
+        assert ours >= truth
+        # Only the slack, the tails (1e-15 a side, also folded in) and the 1e-12 relative
+        # by which sums are rounded up (_SUM_RTOL) added.
+        assert ours <= (truth + power.slack) * (1 + 2e-12) + 5e-15
+    # Its support is the Chernoff window: all but 1e-15 of the exact mass on each side.
+    lo, hi = power.offset, power.offset + power.pmf.size - 1
+    outside = exact[: max(lo - offset, 0)].sum() + exact[hi - offset + 1 :].sum()
+    assert outside <= 2e-15 + power.inf_mass - inf_exact
+
+
+def test_fft_power_after_squaring_matches_binary_powering(monkeypatch) -> None:
+    """The same composition by squaring alone (the FFT power disabled) and by the default
+    (squaring while the operand is peaked, then one FFT power): the same epsilon at
+    delta = 1e-5 to 1e-6 relative, both slacks far below delta."""
+    import edge_sdk.privacy.pld as pld_module
+
+    step = pld_module._truncate(discretize_subsampled_gaussian(1.1, 1e-3, 2e-4))
+    default = step.self_compose(70_000)
+    monkeypatch.setattr(pld_module, "_POWER_SLACK", 0.0)
+    squaring = step.self_compose(70_000)
+    ours, ref = default.get_epsilon(1e-5), squaring.get_epsilon(1e-5)
+    assert ref * (1 - 1e-6) <= ours <= ref * (1 + 1e-6)
+    # At a delta near the slacks (1e-10 here) their difference shows: 0.03% at 1e-8.
+    ours, ref = default.get_epsilon(1e-8), squaring.get_epsilon(1e-8)
+    assert ref * (1 - 1e-6) <= ours <= ref * (1 + 1e-3)
+    assert default.slack < 2e-10 and squaring.slack < 2e-10
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_core_and_body_split_as_documented(seed: int) -> None:
+    from edge_sdk.privacy.pld import _REST_NORM, _TAIL_NORM, _body, _split_core
+
+    rng = np.random.default_rng(seed)
+    x = rng.exponential(size=int(rng.integers(300, 5000))) ** 8
+    x /= x.sum()
+    core, rest = _split_core(x)
+    assert core.size > 0  # peaked: l2 norm above the spread threshold
+    assert np.all(rest[core] == 0) and np.array_equal(rest + np.where(rest == 0, x, 0), x)
+    assert x[core].min() >= np.delete(x, core).max()  # the largest entries
+    if core.size < 128:
+        assert np.linalg.norm(rest) <= _REST_NORM * (1 + 1e-9)
+    lo, hi = _body(x, core)
+    assert lo <= core.min() and hi > core.max()
+    assert np.linalg.norm(np.concatenate((x[:lo], x[hi:]))) <= _TAIL_NORM
