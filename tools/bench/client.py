@@ -167,4 +167,8 @@ def run_client_bench(
                       f"| {row['fedge_peak_rss_mib']:.0f} | {row['opacus_peak_rss_mib']:.0f} "
                       f"| {row['rss_ratio']:.2f} | {flops / 1e6:.3f} | {floor:.0f} "
                       f"| {100 * row['fedge_fraction_of_floor']:.1f}% |", file=out, flush=True)
+    one = {(r["model"], r["batch"]): r["fedge_samples_per_s"] for r in rows if r["threads"] == 1}
+    for r in rows:  # issue 18: two threads faster than one, on every model
+        if r["threads"] == 2 and (r["model"], r["batch"]) in one:
+            r["threads_2_over_1"] = r["fedge_samples_per_s"] / one[(r["model"], r["batch"])]
     return rows

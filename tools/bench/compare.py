@@ -52,6 +52,8 @@ DIRECTIONS: Mapping[str, Better] = {
     # client: fedge / Opacus samples per second; fedge / the matmul FLOP floor's samples/s
     "speed_ratio": "higher",
     "fedge_fraction_of_floor": "higher",
+    # client: fedge samples/s at 2 threads / at 1 thread (issue 18)
+    "threads_2_over_1": "higher",
     # client: fedge / Opacus peak RSS
     "rss_ratio": "lower",
     # stacks: device stack / torch + Opacus, installed bytes and import seconds
@@ -72,6 +74,10 @@ DIRECTIONS: Mapping[str, Better] = {
     "ratio_vs_float32": "higher",
     # envelope: peak RSS / the memory cap
     "rss_over_cap": "lower",
+    # round_timeline: a round's wall time / (training + crypto + 4 broker round trips)
+    "wall_over_floor": "lower",
+    # small_upload: bytes per upload / the float32 update's bytes
+    "bytes_over_float32": "lower",
 }
 
 RATIO_NAME = re.compile(r"ratio|speedup|_over_|fraction_of|(^|_)vs_")
