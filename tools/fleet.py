@@ -447,6 +447,7 @@ class Fleet:
 
     def _record(self, o: RoundOutcome) -> None:
         self.outcomes[o.round_id] = o
+        self._last_end = time.perf_counter()
         rec = self.records.get(o.round_id)
         cohort = rec.cohort if rec else ()
         for n in cohort:
@@ -616,8 +617,16 @@ class Fleet:
             "num_params": d,
             "setup_seconds": self.setup_seconds,
             "wall_seconds": wall,
+            # the rounds alone: first round's start to the last round's end (without the
+            # broker's start and the fleet's connects, which a long-running fleet pays once)
+            "rounds_wall_seconds": self._rounds_wall(),
             "config": cfg.as_dict(),
         }
+
+    def _rounds_wall(self) -> float | None:
+        starts = [r.started for r in self.records.values()]
+        end = getattr(self, "_last_end", None)
+        return None if not starts or end is None else end - min(starts)
 
     def check_sums(self) -> None:
         """Every completed round's integer sum is its survivors' encoded inputs summed
