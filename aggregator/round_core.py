@@ -139,6 +139,11 @@ class RoundPolicy:
             ``"bounded"`` (default, deterministic) or ``"rotated"`` (the rotation's
             sub-Gaussian tail: fewer bits; ``device_dp.ring_bits`` says when it holds).
         degree, threshold: SecAgg+ neighbourhood (None: ``secagg`` defaults).
+        secagg: the plan's secure-aggregation protocol (``wire.SECAGG_PROTOCOLS``):
+            ``"secagg+"`` (default) or ``"amortized"`` (pairwise seeds from enrollment: no
+            per-round keys or shares, so an upload is little more than the masked vector;
+            only a semi-honest aggregator, and a dropped device's neighbours must all
+            answer the reveal; see ``edge_sdk.secagg``).
         server_opt, server_lr: server optimizer from ``aggregator.optimizers.OPTIMIZERS``.
         seed: seeds the cohort selection (with the round id).
         max_packet: largest MQTT payload the devices may send (their chunk size).
@@ -180,6 +185,7 @@ class RoundPolicy:
     ring_bound: str = "bounded"
     degree: int | None = None
     threshold: int | None = None
+    secagg: str = "secagg+"
     server_opt: str = "fedavg"
     server_lr: float = 1.0
     seed: int = 0
@@ -221,6 +227,9 @@ class RoundPolicy:
         if not (math.isfinite(self.value_bound) and self.value_bound > 0):
             raise ValueError(f"value_bound must be finite and > 0, got {self.value_bound!r}")
         self._check_mechanism_settings()
+        if self.secagg not in wire.SECAGG_PROTOCOLS:
+            raise ValueError(f"secagg must be one of {list(wire.SECAGG_PROTOCOLS)}, "
+                             f"got {self.secagg!r}")
         if self.server_opt not in OPTIMIZERS:
             raise ValueError(f"server_opt must be one of {sorted(OPTIMIZERS)}, "
                              f"got {self.server_opt!r}")
@@ -554,7 +563,8 @@ def draw_plan(policy: RoundPolicy, *, round_id: int, model_version: int,
         mechanism=policy.mechanism, params=params, round_seed=round_seed, bits=bits,
         length=length, nonce=nonce, degree=degree,
         threshold=policy.config_threshold(degree), min_survivors=policy.survivors_needed(n),
-        max_colluders=policy.max_colluders, stage_timeout=float(policy.stage_timeout))
+        max_colluders=policy.max_colluders, stage_timeout=float(policy.stage_timeout),
+        secagg=policy.secagg)
 
 
 def short_of_survivors(stage: str, answered: int, *, min_survivors: int,

@@ -100,7 +100,13 @@ from aggregator.round_core import (
     too_few_eligible,
     with_update_clip,
 )
-from aggregator.secagg_server import CLOSE, RECV, SecAggServer, ServerStage
+from aggregator.secagg_server import (
+    CLOSE,
+    RECV,
+    AmortizedSecAggServer,
+    SecAggServer,
+    ServerStage,
+)
 from edge_sdk import wire
 from edge_sdk.errors import (
     LocalProtocolError,
@@ -315,7 +321,7 @@ Event = (Quarantined | Released | Resent | StatusSeen | CheckInSeen | Rejected |
 @dataclass(slots=True)
 class _Round:
     plan: RoundPlan
-    server: SecAggServer
+    server: SecAggServer | AmortizedSecAggServer
     stage: ServerStage
     deadline: float
     expected: set[str]
@@ -381,6 +387,15 @@ def _parse_topic(topic: str, fleet: str) -> tuple[str, str, str] | None:
         return "status", parts[3], ""
     return None
 
+
+
+def _server_for(plan: RoundPlan, *, identity: AggregatorIdentity,
+                registry: Registry) -> SecAggServer | AmortizedSecAggServer:
+    """The aggregator's half of the plan's secure-aggregation protocol (``plan.secagg``)."""
+    config = RoundConfig.of_plan(plan)
+    if config.amortized:
+        return AmortizedSecAggServer(identity=identity, registry=registry, config=config)
+    return SecAggServer(identity=identity, registry=registry, config=config)
 
 class RoundMachine:
     """The aggregator's rounds for one fleet (see the module docstring).
@@ -728,6 +743,9 @@ class RoundMachine:
             return self._fail(now, str(e))
         r.log.append((CLOSE, r.stage.value.encode()))
         r.stage = r.server.stage
+        if not out and r.stage is ServerStage.COLLECT_UNMASK:
+            # the amortized variant with nobody dropped: no seeds to reveal, no one to wait for
+            return self._finish(now)
         r.expected = set(out)
         r.deadline = now + self.policy.stage_timeout
         r.next_resend = now + self._resend_every()
@@ -848,8 +866,7 @@ class RoundMachine:
         plan = wire.sign(draw_plan(pol, round_id=round_id, model_version=self._version,
                                    cohort=cohort, dim=self.dimension,
                                    random_bytes=self._random), self._idn)
-        server = SecAggServer(identity=self._idn, registry=self._reg,
-                              config=RoundConfig.of_plan(plan))
+        server = _server_for(plan, identity=self._idn, registry=self._reg)
         payload = wire.encode(plan)
         outbox = [Publish(wire.device_down_topic(pol.fleet, dev, "plan"), payload)
                   for dev in cohort]
@@ -1016,8 +1033,7 @@ class RoundMachine:
         if rs is not None:
             plan = wire.decode(rs["plan"], wire.DOWN_KINDS)
             assert isinstance(plan, RoundPlan)
-            server = SecAggServer(identity=identity, registry=registry,
-                                  config=RoundConfig.of_plan(plan))
+            server = _server_for(plan, identity=identity, registry=registry)
             log = [(op, bytes(b)) for op, b in rs["log"]]
             server.replay(log)  # deterministic, so the same state bit for bit
             if server.stage.value != rs["stage"]:

@@ -222,6 +222,32 @@ class _Base:
         except ValueError as e:
             raise RemoteProtocolError(f"masked upload of {msg.sender!r}: {e}") from None
 
+    def replay(self, log: Iterable[LogEntry]) -> None:
+        """Bring a fresh server to the state its input log describes: each ``(RECV, bytes)``
+        is decoded and received, each ``(CLOSE, stage)`` closes that stage. The server is
+        deterministic (sums, pruning, Ed25519 signatures), so the replay reproduces the
+        logged server bit for bit; a caller that logs every accepted message and every
+        successful close can snapshot a round as its log.
+
+        Raises:
+            RemoteProtocolError: a logged message does not decode or is not accepted.
+            LocalProtocolError: a close entry names another stage than the open one, or an
+                entry is neither kind.
+            RoundFailed: a logged close fails now (the log is not this round's).
+        """
+        for op, data in log:
+            if op == RECV:
+                self.receive(_decode_up(data))
+            elif op == CLOSE:
+                if bytes(data).decode() != self._stage.value:
+                    raise LocalProtocolError(
+                        f"the log closes stage {bytes(data)!r}, the server is in "
+                        f"{self._stage.value}"
+                    )
+                self.close_stage()
+            else:
+                raise LocalProtocolError(f"log entries are {RECV!r} or {CLOSE!r}, got {op!r}")
+
 
 def _seen_key(msg: SecAggUp) -> tuple[str, str, int]:
     """Duplicates are per kind and sender, and per part for the masked upload."""
@@ -290,32 +316,6 @@ class SecAggServer(_Base):
         if close is None:
             raise LocalProtocolError(f"close_stage() called in stage {self._stage.value}")
         return dict(close())
-
-    def replay(self, log: Iterable[LogEntry]) -> None:
-        """Bring a fresh server to the state its input log describes: each ``(RECV, bytes)``
-        is decoded and received, each ``(CLOSE, stage)`` closes that stage. The server is
-        deterministic (sums, pruning, Ed25519 signatures), so the replay reproduces the
-        logged server bit for bit; a caller that logs every accepted message and every
-        successful close can snapshot a round as its log.
-
-        Raises:
-            RemoteProtocolError: a logged message does not decode or is not accepted.
-            LocalProtocolError: a close entry names another stage than the open one, or an
-                entry is neither kind.
-            RoundFailed: a logged close fails now (the log is not this round's).
-        """
-        for op, data in log:
-            if op == RECV:
-                self.receive(_decode_up(data))
-            elif op == CLOSE:
-                if bytes(data).decode() != self._stage.value:
-                    raise LocalProtocolError(
-                        f"the log closes stage {bytes(data)!r}, the server is in "
-                        f"{self._stage.value}"
-                    )
-                self.close_stage()
-            else:
-                raise LocalProtocolError(f"log entries are {RECV!r} or {CLOSE!r}, got {op!r}")
 
     def receive(self, msg: SecAggUp) -> None:
         """Accept one device message, or raise and change nothing.
@@ -596,6 +596,27 @@ class AmortizedSecAggServer(_Base):
     @property
     def survivors(self) -> tuple[str, ...]:
         return tuple(sorted(self._u3))
+
+    def pending(self) -> frozenset[str]:
+        """The devices the open stage still waits for: the cohort's uploads, then the
+        survivors asked to reveal. Empty once the round is done or failed."""
+        if self._stage is ServerStage.COLLECT_MASKED:
+            return frozenset(self._cfg.cohort) - set(self._u3) - self._spoiled.keys()
+        if self._stage is ServerStage.COLLECT_UNMASK:
+            return frozenset(self._requests) - self._responses.keys()
+        return frozenset()
+
+    def close_stage(self) -> dict[str, SecAggDown]:
+        """Close the upload stage (:meth:`close_masked_input`): the reveal requests, by
+        recipient (none when nobody dropped: :meth:`finalize` may follow at once).
+
+        Raises:
+            RoundFailed: as :meth:`close_masked_input`.
+            LocalProtocolError: not in the upload stage.
+        """
+        if self._stage is not ServerStage.COLLECT_MASKED:
+            raise LocalProtocolError(f"close_stage() called in stage {self._stage.value}")
+        return dict(self.close_masked_input())
 
     def receive(self, msg: SecAggUp) -> None:
         """Accept one device message, or raise (RemoteProtocolError) and change nothing."""

@@ -31,6 +31,16 @@ One round (DESIGN, "One round, as data flows"), for a device in the plan's cohor
    aggregator holds the upload). The published model ends the round; the device adopts
    it and checks in again.
 
+With the amortized protocol (``plan.secagg == "amortized"``, issue 18) steps 1's keys and
+2 are not there: the device masks with its enrollment-time pairwise seeds
+(``edge_sdk.secagg.AmortizedSecAggClient``) and uploads right after training, and step 3
+is a reveal request for this round's seeds toward dropped neighbours, which it refuses if
+the cohort less the neighbours named is below ``min_survivors``. A round id is never
+masked for twice: the ledger's reservations (durable before the upload) give the last
+round masked for, which the pairwise seeds require the new round to exceed. The
+reservation is committed at the reveal or, when nobody dropped, when the new model ends
+the round.
+
 Nothing that depends on the local update leaves before the ledger holds the round's
 reservation: the round is reserved before training, so the upload, the ``diverged``
 decline (a bit of the noisy update) and the device's silence are all counted; a device
@@ -92,8 +102,15 @@ from edge_sdk.errors import RemoteProtocolError
 from edge_sdk.ledger import Ledger, LedgerError, Plan, Reservation
 from edge_sdk.model import ModelSpec
 from edge_sdk.round import Declined as NotOpened
-from edge_sdk.round import open_round
-from edge_sdk.secagg import DeviceIdentity, Registry, RoundConfig, SecAggClient
+from edge_sdk.round import Prepared, open_round
+from edge_sdk.secagg import (
+    AmortizedSecAggClient,
+    DeviceIdentity,
+    PairwiseSeeds,
+    Registry,
+    RoundConfig,
+    SecAggClient,
+)
 from edge_sdk.wire import (
     CheckIn,
     Decline,
@@ -103,6 +120,7 @@ from edge_sdk.wire import (
     ModelUpdate,
     NeighbourKeys,
     Publish,
+    RevealRequest,
     RoundPlan,
     SecAggDown,
     SecAggUp,
@@ -225,13 +243,14 @@ SessionEvent = CheckedIn | ModelAdopted | RoundOpened | Declined | Uploaded | Ro
 @dataclass(slots=True)
 class _Round:
     plan: RoundPlan
-    client: SecAggClient
+    client: SecAggClient | AmortizedSecAggClient
     residues: np.ndarray
     ledger_plan: Plan
     last_heard: float
     reservation: Reservation | None = None
     answers: dict[bytes, list[Publish]] = field(default_factory=dict)
     upload: bytes | None = None  # the request (raw) the upload answered
+    committed: bool = False
 
 
 class DeviceSession:
@@ -467,16 +486,50 @@ class DeviceSession:
             return [*self._decline(plan, got.reason, got.detail), self._checkin(now)]
         residues, config, ledger_plan = got.contribution.values, got.config, got.ledger_plan
         reservation = got.reservation
+        self._last_round = plan.round_id
+        if config.amortized:
+            return self._open_amortized(plan, raw, got, now)
         client = SecAggClient(identity=self._idn, registry=self._reg, config=config,
                               random_bytes=self._random)
         out = self._send_secagg(client.advertise())
-        self._last_round = plan.round_id
         self._round = _Round(plan=plan, client=client, residues=residues,
                              ledger_plan=ledger_plan, reservation=reservation,
                              last_heard=now, answers={raw: out})
         self._events.append(RoundOpened(round_id=plan.round_id, model_version=plan.model_version,
                                         length=plan.length, cohort_size=len(plan.cohort)))
         return list(out)
+
+    def _open_amortized(self, plan: RoundPlan, raw: bytes, got: Prepared,
+                        now: float) -> list[Publish]:
+        """The amortized protocol: mask with the pairwise seeds and upload at once."""
+        seeds = PairwiseSeeds(identity=self._idn, registry=self._reg,
+                              last_round=self._last_masked(plan.round_id))
+        client = AmortizedSecAggClient(identity=self._idn, registry=self._reg,
+                                       config=got.config, seeds=seeds)
+        r = _Round(plan=plan, client=client, residues=got.contribution.values,
+                   ledger_plan=got.ledger_plan, reservation=got.reservation, last_heard=now)
+        self._round = r
+        self._events.append(RoundOpened(round_id=plan.round_id, model_version=plan.model_version,
+                                        length=plan.length, cohort_size=len(plan.cohort)))
+        # the round was reserved (durably) before training, so the upload may leave
+        parts = client.mask_input(r.residues, max_packet=self._max_packet)
+        self._keep_input(r)
+        out = self._send_secagg(*parts)
+        r.answers[raw] = out
+        r.upload = raw
+        self._uploaded(r, out, resent=False)
+        return list(out)
+
+    def _last_masked(self, current: int) -> int | None:
+        """The last round of this fleet the ledger holds a reservation for, before
+        ``current``: every round the device may have masked for (reserved before the
+        upload leaves), so the amortized seeds never mask twice for one round id."""
+        prefix = f"{self.fleet}/"
+        ids = [int(res.plan.round_id[len(prefix):]) for res in self._ledger.reservations()
+               if res.plan.round_id.startswith(prefix)
+               and res.plan.round_id[len(prefix):].isdigit()]
+        ids = [i for i in ids if i != current]
+        return max(ids) if ids else None
 
     # ------------------------------------------------------------------ secagg
 
@@ -501,9 +554,18 @@ class DeviceSession:
             out = self._upload(r, msg)
             r.upload = raw
             self._uploaded(r, out, resent=False)
-        elif isinstance(msg, UnmaskRequest):
+        elif isinstance(msg, UnmaskRequest) and isinstance(r.client, SecAggClient):
             self._check_survivors(r, msg)
             out = self._send_secagg(r.client.unmask(msg))
+            self._commit(r)
+        elif isinstance(msg, RevealRequest) and isinstance(r.client, AmortizedSecAggClient):
+            most = len(r.plan.cohort) - len(set(msg.dropped))
+            if most < r.plan.min_survivors:
+                raise RemoteProtocolError(
+                    f"reveal request for round {r.plan.round_id} names {len(msg.dropped)} "
+                    f"dropped neighbours: at most {most} uploads, fewer than min_survivors "
+                    f"{r.plan.min_survivors}; refused")
+            out = self._send_secagg(r.client.reveal(msg))
             self._commit(r)
         else:
             raise RemoteProtocolError(f"a device does not accept {msg.KIND}")
@@ -537,20 +599,25 @@ class DeviceSession:
 
     def _upload(self, r: _Round, msg: ForwardedShares) -> list[Publish]:
         # the round was reserved (durably) before training, so the upload may leave
+        assert isinstance(r.client, SecAggClient)
         parts: tuple[MaskedPart, ...] = r.client.mask_input(msg, r.residues,
                                                             max_packet=self._max_packet)
+        self._keep_input(r)
+        return self._send_secagg(*parts)
+
+    def _keep_input(self, r: _Round) -> None:
         self._inputs[r.plan.round_id] = r.residues.copy()
         while len(self._inputs) > _KEPT_INPUTS:
             del self._inputs[min(self._inputs)]
-        return self._send_secagg(*parts)
 
     def _uploaded(self, r: _Round, out: list[Publish], *, resent: bool) -> None:
         self._events.append(Uploaded(round_id=r.plan.round_id, parts=len(out),
                                      size=sum(len(p.payload) for p in out), resent=resent))
 
     def _commit(self, r: _Round) -> None:
-        if r.reservation is None:
+        if r.reservation is None or r.committed:
             return
+        r.committed = True
         try:
             self._ledger.commit(r.reservation)
         except LedgerError as e:  # the spend is counted either way; only the record suffers
@@ -561,6 +628,9 @@ class DeviceSession:
     def _end_round(self, why: str) -> None:
         r = self._round
         if r is not None:
+            if why == _NEW_MODEL and r.upload is not None and isinstance(
+                    r.client, AmortizedSecAggClient):
+                self._commit(r)  # nobody asked it to reveal: the new model shows the sum
             logger.debug("%s leaves round %d: %s", self.device, r.plan.round_id, why)
             self._events.append(RoundClosed(round_id=r.plan.round_id, reason=why,
                                             uploaded=r.upload is not None,

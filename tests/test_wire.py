@@ -1,4 +1,4 @@
-"""The round's wire messages (protocol 7): every kind on the one schema, golden vectors,
+"""The round's wire messages (protocol 8): every kind on the one schema, golden vectors,
 signatures, truncations, garbage, the masked upload in parts."""
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def test_golden_vectors_encode_and_decode(messages) -> None:
 def test_golden_vectors_carry_the_protocol_version() -> None:
     """Every stored vector is a v7 envelope of its kind (one version for every kind: the
     SecAgg kinds included), and the decoder refuses it under any other version."""
-    assert PROTOCOL_VERSION == 7
+    assert PROTOCOL_VERSION == 8
     for name, hexed in json.loads(GOLDEN.read_text()).items():
         raw = msgpack.unpackb(bytes.fromhex(hexed), raw=False)
         assert type(raw["v"]) is int and raw["v"] == PROTOCOL_VERSION, name

@@ -94,6 +94,12 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--secagg", action=argparse.BooleanOptionalAction, default=None,
                    help="run the fleet path: every device a DeviceSession with its ledger, "
                         "SecAgg+ with dropout recovery (default: off for inproc)")
+    g.add_argument("--secagg-protocol", choices=("secagg+", "amortized"),
+                   help="the fleet's secure aggregation: secagg+ (default: per-round keys "
+                        "and shares, double masking) or amortized (pairwise seeds agreed at "
+                        "enrollment: an upload is about the masked vector alone; a "
+                        "semi-honest aggregator only, every neighbour of a dropped device "
+                        "must answer; see edge_sdk.secagg)")
     g.add_argument("--dropout", type=float,
                    help="fraction of each round's cohort that vanishes at a random stage "
                         "(both paths: the same devices at the same stages)")
@@ -134,7 +140,8 @@ def _simulate(args: argparse.Namespace) -> int:
             "seed", "mechanism", "sparsity", "quant_levels", "update_clip",
             "adaptive_clip_quantile", "adaptive_clip_lr", "self_sample_rate",
             "binomial_trials",
-            "ddg_gamma", "transport", "secagg", "dropout", "stage_timeout", "value_bound",
+            "ddg_gamma", "transport", "secagg", "secagg_protocol", "dropout",
+            "stage_timeout", "value_bound",
             "budget_epsilon", "min_survivors", "max_colluders"]
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     if args.quiet:

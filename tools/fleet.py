@@ -86,6 +86,15 @@ DROP_STAGES: Mapping[str, str] = {
     "masked": "forwarded_shares",
     "unmask": "unmask_request",
 }
+# The same for the amortized protocol (issue 18), which has no key stages: a device that
+# vanishes before its upload vanishes on the plan, one after it on the reveal request
+# (which only survivors with a dropped neighbour get: the others have nothing to drop).
+AMORTIZED_DROP_STAGES: Mapping[str, str] = {
+    "keys": "plan",
+    "shares": "plan",
+    "masked": "plan",
+    "unmask": "reveal_request",
+}
 _TICK_S = 0.1  # the inproc clock's step while messages flow
 
 
@@ -152,7 +161,8 @@ class DeviceAgent:
         self.vanished: dict[int, str] = {}  # round -> stage it vanished in
         self.sent: list[Publish] = []  # everything it published (tests audit uploads)
         self.events: list[SessionEvent] = []  # what its session(s) did, oldest first
-        self._target: tuple[int, str] | None = None  # (round, downlink kind) to vanish on
+        self._target: tuple[int, str] | None = None  # (round, stage) to vanish in
+        self._drop_kinds: Mapping[str, str] = DROP_STAGES  # stage -> downlink kind, by protocol
         self._dead_round = 0
         self._revive = False
         self._stash_model: bytes | None = None
@@ -221,8 +231,10 @@ class DeviceAgent:
             plan = wire.decode(payload, wire.DOWN_KINDS)
             stage = self.schedule.victims(round_id, plan.cohort).get(self.name)  # type: ignore[attr-defined]
             self._target = None if stage is None else (round_id, stage)
+            self._drop_kinds = (AMORTIZED_DROP_STAGES if plan.secagg == "amortized"  # type: ignore[attr-defined]
+                                else DROP_STAGES)
         if self._target is not None and self._target[0] == round_id \
-                and DROP_STAGES[self._target[1]] == inner:
+                and self._drop_kinds[self._target[1]] == inner:
             self.vanished[round_id] = self._target[1]
             self._target = None
             self._dead_round = round_id

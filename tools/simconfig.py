@@ -21,6 +21,7 @@ import numpy as np
 
 from aggregator.optimizers import OPTIMIZERS
 from aggregator.round_core import RoundPolicy
+from edge_sdk import wire
 from edge_sdk.mechanisms import MECHANISMS
 from edge_sdk.train import LocalTraining
 from tools.datasets import DATASETS
@@ -108,6 +109,8 @@ class SimConfig:
     # The fleet path (tools.fleet): device sessions with ledgers, secure aggregation.
     transport: str = "inproc"  # "inproc" (in-memory broker) | "mqtt" (a real mosquitto)
     secagg: bool | None = None  # None: on for transport "mqtt", off for "inproc"
+    # the plan's secure-aggregation protocol (fleet path): "secagg+" or "amortized" (issue 18)
+    secagg_protocol: str = "secagg+"
     dropout: float = 0.0  # fraction of each cohort that vanishes at a random stage (both paths)
     stage_timeout: float = 120.0  # seconds per secure-aggregation stage (a safety net)
     value_bound: float = 1.0  # uploads are clamped to [-B, B] before fixed-point encoding
@@ -121,6 +124,12 @@ class SimConfig:
             raise ValueError(f"transport must be 'inproc' or 'mqtt', got {self.transport!r}")
         if self.secagg is None:
             object.__setattr__(self, "secagg", self.transport == "mqtt")
+        if self.secagg_protocol not in wire.SECAGG_PROTOCOLS:
+            raise ValueError(f"secagg_protocol must be one of {list(wire.SECAGG_PROTOCOLS)}, "
+                             f"got {self.secagg_protocol!r}")
+        if self.secagg_protocol != "secagg+" and not self.secagg:
+            raise ValueError(f"secagg_protocol {self.secagg_protocol!r} is a protocol of the "
+                             "fleet path: run it with secure aggregation (--secagg)")
         elif self.transport == "mqtt" and not self.secagg:
             raise ValueError("transport 'mqtt' runs the fleet with secure aggregation; "
                              "secagg = false is only for transport 'inproc'")
@@ -332,4 +341,5 @@ def round_policy(cfg: SimConfig, sizes: list[int], *, stage_timeout: float | Non
         batch_size=cfg.batch_size, lr=cfg.lr, sampling=cfg.sampling, clip=cfg.clip,
         noise_multiplier=cfg.noise_multiplier, sparsity=cfg.sparsity,
         quant_levels=quant_levels, value_bound=cfg.value_bound,
-        server_opt=cfg.server_opt, server_lr=cfg.server_lr, seed=cfg.seed, **extra)
+        server_opt=cfg.server_opt, server_lr=cfg.server_lr, seed=cfg.seed,
+        secagg=cfg.secagg_protocol, **extra)

@@ -134,7 +134,7 @@ class RoundConfig:
         """
         return cls(round_id=plan.round_id, nonce=plan.nonce, cohort=plan.cohort,
                    bits=plan.bits, length=plan.length, degree=plan.degree,
-                   threshold=plan.threshold)
+                   threshold=plan.threshold, amortized=plan.secagg == "amortized")
 
     def to_wire(self) -> dict[str, Any]:
         """The digest's input (not a message on the wire): a msgpack-able map that carries

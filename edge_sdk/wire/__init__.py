@@ -1,4 +1,4 @@
-"""The bytes both sides agree on: one schema, one envelope, one version (protocol 7).
+"""The bytes both sides agree on: one schema, one envelope, one version (protocol 8).
 
 Modules, lowest first:
 
@@ -37,6 +37,7 @@ from edge_sdk.wire.messages import (
     MECHANISM_PARAMS,
     MODEL_KINDS,
     SECAGG_DOWN,
+    SECAGG_PROTOCOLS,
     SECAGG_UP,
     UP_KINDS,
     AdvertiseKeys,
@@ -125,6 +126,7 @@ __all__ = [
     "RevealRequest",
     "RevealResponse",
     "RoundPlan",
+    "SECAGG_PROTOCOLS",
     "SecAggDown",
     "SecAggUp",
     "ShareKeys",

@@ -99,6 +99,7 @@ __all__ = [
     "RevealRequest",
     "RevealResponse",
     "RoundPlan",
+    "SECAGG_PROTOCOLS",
     "ShareKeys",
     "UnmaskRequest",
     "UnmaskResponse",
@@ -113,6 +114,8 @@ _SHARE_CT_BYTES = 2 * SHARE_BYTES + 16  # two Shamir shares, sealed (16-byte tag
 _MAX_LENGTH = 1 << 31  # values one secure sum may hold (RoundConfig.length)
 _DTYPES = ("<f4", "<f8", "<i4", "<i8", "<u2", "<u4", "<u8", "|u1")  # "<u2": ring sums at 9..16 bits
 _SAMPLING = ("poisson", "shuffle")
+SECAGG_PROTOCOLS = ("secagg+", "amortized")
+"""The secure-aggregation protocols a round plan may name (``RoundPlan.secagg``)."""
 
 
 # =========================================================================== arrays
@@ -375,6 +378,11 @@ class RoundPlan(Message):
             ``min_survivors - max_colluders >= 1`` (:func:`colluder_problem`).
         stage_timeout: seconds the aggregator waits per stage (a device gives up on the
             round after several of these without news).
+        secagg: the secure-aggregation protocol: ``"secagg+"`` (per-round keys, Shamir
+            shares, double masking; Bonawitz et al. 2017 with Bell et al. 2020) or
+            ``"amortized"`` (pairwise seeds agreed at enrollment, one masked upload and,
+            only for dropped neighbours, a reveal; the zCDP paper's Fig. 2, with the weaker
+            dropout story stated in :mod:`edge_sdk.secagg`). Protocol 8, issue 18.
     """
 
     round_id: int = Round(1)
@@ -391,6 +399,7 @@ class RoundPlan(Message):
     min_survivors: int = Int(1, "max_cohort")
     max_colluders: int = Int(0, "max_cohort")
     stage_timeout: float = Float(0.0, 86400.0, open_lo=True)
+    secagg: str = Str(choices=SECAGG_PROTOCOLS, default="secagg+")
     sig: bytes = Sig()
 
     def wire_check(self, limits: Limits) -> None:

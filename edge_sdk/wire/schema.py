@@ -103,11 +103,12 @@ __all__ = [
     "verify",
 ]
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """The envelope's ``"v"``: the one protocol version of every message (4: issue 15's one
 schema; 5: a check-in states the device's budget and spent epsilon, issue 20; 6: device-dp's
 plan states adaptive clipping's indicator scale, issue 16; 7: and the self-sampling rate,
-issue 16). Devices and the aggregator are upgraded together."""
+issue 16; 8: a round plan names its secure-aggregation protocol, SecAgg+ or the amortized
+variant, issue 18). Devices and the aggregator are upgraded together."""
 SIGNING_LABEL = b"fedge/wire/v4/sig"
 """Prefix of every signed byte string (domain separation from every other Ed25519 use).
 Its ``v4`` names the signing rule, unchanged since protocol 4; the protocol version is
