@@ -475,6 +475,15 @@ class DeviceSession:
                 raise RemoteProtocolError(f"plan for round {plan.round_id} while in round "
                                           f"{r.plan.round_id}")
             self._end_round(_SUPERSEDED)
+        if plan.secagg == "amortized":
+            last = self._last_masked(plan.round_id)
+            if last is not None and plan.round_id < last:
+                # its masks would repeat a round's (an aggregator that restarted its ids):
+                # refused before anything is reserved or trained
+                return [*self._decline(plan, "already_committed",
+                                       f"amortized masks are per round id; this device "
+                                       f"masked for round {last}, after {plan.round_id}"),
+                        self._checkin(now)]
         d = sum(math.prod(s) for s in self._shapes)
         got = open_round(plan, fleet=self.fleet, ledger=self._ledger, params=self._params,
                          model_version=self._version, data=self._data, engine=self._engine,

@@ -176,15 +176,15 @@ def test_golden_vectors_encode_and_decode(messages) -> None:
 
 
 def test_golden_vectors_carry_the_protocol_version() -> None:
-    """Every stored vector is a v7 envelope of its kind (one version for every kind: the
+    """Every stored vector is a v8 envelope of its kind (one version for every kind: the
     SecAgg kinds included), and the decoder refuses it under any other version."""
     assert PROTOCOL_VERSION == 8
     for name, hexed in json.loads(GOLDEN.read_text()).items():
         raw = msgpack.unpackb(bytes.fromhex(hexed), raw=False)
         assert type(raw["v"]) is int and raw["v"] == PROTOCOL_VERSION, name
         assert raw["kind"] == name and isinstance(raw["round"], int)
-        for v in (2, 3, 4, 5, 6, 8, 7.0, True):
-            with pytest.raises(WireError, match="protocol version must be 7"):
+        for v in (2, 3, 4, 5, 6, 7, 9, 8.0, True):
+            with pytest.raises(WireError, match="protocol version must be 8"):
                 decode(msgpack.packb({**raw, "v": v}, use_bin_type=True), ALL_KINDS)
 
 
@@ -284,7 +284,7 @@ def _mutate(msg: wire.Message, **changes) -> bytes:
 
 
 @pytest.mark.parametrize(("name", "changes", "match"), [
-    ("checkin", {"v": 6}, "protocol version must be 7"),  # protocol 6 is refused
+    ("checkin", {"v": 7}, "protocol version must be 8"),  # protocol 7 is refused
     ("checkin", {"v": True}, "protocol version"),
     ("checkin", {"kind": "nope"}, "unknown message kind"),
     ("checkin", {"from": "a/+"}, "field 'from'"),

@@ -373,7 +373,7 @@ def test_unknown_kind_and_other_versions() -> None:
     base = _obj(Ping)
     _refused({**base, "kind": "pong"}, "unknown message kind 'pong'")
     _refused({**base, "kind": 3}, "unknown message kind 3")
-    for v in (None, 0, 2, 3, 4, 5, 6, 8, True, "7", 7.0):
+    for v in (None, 0, 2, 3, 4, 5, 6, 7, 9, True, "8", 8.0):
         obj = {**base, "v": v} if v is not None else {k: x for k, x in base.items() if k != "v"}
         _refused(obj, f"protocol version must be {PROTOCOL_VERSION}", f"got {v!r}")
 
@@ -596,7 +596,7 @@ def test_peek_reads_the_envelope_only() -> None:
     ({"from": "a/b"}, "field 'from' must be 1-64 characters"),
     ({"from": None}, "field 'from'"),
     ({"kind": "pong"}, "unknown message kind"),
-    ({"v": 6}, "protocol version must be 7"),
+    ({"v": 7}, "protocol version must be 8"),
 ])
 def test_peek_refuses_a_bad_envelope(change: dict[str, Any], needle: str) -> None:
     data = msgpack.packb({**_obj(Ping), **change}, use_bin_type=True)

@@ -229,12 +229,14 @@ def _export(args: argparse.Namespace) -> int:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks against a reference measured in the same run")
     p.add_argument("what",
-                   choices=["all", "client", "stacks", "wire", "accountant", "ledger", "secagg",
-                            "envelope", "compare"],
+                   choices=["all", "client", "stacks", "wire", "small-upload", "accountant",
+                            "ledger", "secagg", "envelope", "compare"],
                    help="all: every benchmark, written to docs/benchmarks.md (shortfalls "
                         "against the issues' targets at the top); client: DP-SGD step, fedge "
                         "vs Opacus, beside the FLOP floor; stacks: import time and installed "
                         "size, device stack vs torch + Opacus; wire: bytes per upload; "
+                        "small-upload: a 650-parameter model's bytes per round in a cohort "
+                        "of 10, SecAgg+ vs the amortized protocol, over mosquitto; "
                         "accountant: fedge vs dp_accounting; ledger: epsilon_if on a durable "
                         "ledger of 10,000 entries; secagg: one full SecAgg+ "
                         "round vs the mask PRG's floor (needs --clients, --dim, --dropout); "
@@ -343,6 +345,10 @@ def _bench(args: argparse.Namespace) -> int:
         result = {"ledger": run_ledger_bench(quick=args.quick)}
     elif args.what == "secagg":
         result = _bench_secagg(args)
+    elif args.what == "small-upload":
+        from tools.bench.small_upload import run_small_upload_bench
+
+        result = {"small_upload": run_small_upload_bench()}
     else:
         from tools.bench.wire import run_wire_bench
 
