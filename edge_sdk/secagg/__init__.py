@@ -63,8 +63,10 @@ Protocols
   ``edge_sdk.session.DeviceSession`` masks and uploads right after training, taking the
   last round it masked for from its ledger's reservations (durable before any upload). The
   privacy accounting is unchanged: the aggregate view assumes a semi-honest aggregator and
-  at most ``max_colluders < t`` colluding members, under which every honest member keeps at
-  least ``degree - max_colluders >= 1`` pairwise masks that only the sum cancels. For a
+  at most ``max_colluders < t`` colluding members: a device reveals nothing that would leave
+  fewer than t of its neighbours masked with it, so every honest member keeps at least
+  ``t - max_colluders >= 1`` pairwise masks with honest neighbours, which only the sum
+  cancels. For a
   small model it is what keeps the uplink near the vector's own size (``fedge bench
   small-upload``: 1.26x float32 for 650 parameters in a cohort of 10, against 2.69x).
 
