@@ -230,13 +230,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks against a reference measured in the same run")
     p.add_argument("what",
                    choices=["all", "client", "stacks", "wire", "small-upload", "accountant",
-                            "ledger", "secagg", "envelope", "compare"],
+                            "ledger", "secagg", "round-timeline", "envelope", "compare"],
                    help="all: every benchmark, written to docs/benchmarks.md (shortfalls "
                         "against the issues' targets at the top); client: DP-SGD step, fedge "
                         "vs Opacus, beside the FLOP floor; stacks: import time and installed "
                         "size, device stack vs torch + Opacus; wire: bytes per upload; "
                         "small-upload: a 650-parameter model's bytes per round in a cohort "
                         "of 10, SecAgg+ vs the amortized protocol, over mosquitto; "
+                        "round-timeline: where a 10-device round's time goes over mosquitto "
+                        "(per stage, busy vs waiting, broker round trips); "
                         "accountant: fedge vs dp_accounting; ledger: epsilon_if on a durable "
                         "ledger of 10,000 entries; secagg: one full SecAgg+ "
                         "round vs the mask PRG's floor (needs --clients, --dim, --dropout); "
@@ -345,6 +347,10 @@ def _bench(args: argparse.Namespace) -> int:
         result = {"ledger": run_ledger_bench(quick=args.quick)}
     elif args.what == "secagg":
         result = _bench_secagg(args)
+    elif args.what == "round-timeline":
+        from tools.bench.round_timeline import run_round_timeline_bench
+
+        result = {"round_timeline": run_round_timeline_bench()}
     elif args.what == "small-upload":
         from tools.bench.small_upload import run_small_upload_bench
 

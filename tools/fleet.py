@@ -549,6 +549,7 @@ class Fleet:
         with Broker(devices=self.names, fleet=FLEET_NAME, aggregator=AGGREGATOR,
                     directory=self.workdir / "broker") as broker:
             bc = broker.config
+            self.broker_config = bc  # for measurements against the same broker (bench)
             address = BrokerAddress(host=bc.host, port=bc.port,
                                     ca_file=str(bc.ca_file) if bc.ca_file else None)
             with MqttLoop(address, rng=random.Random(cfg.seed)) as loop:

@@ -74,8 +74,10 @@ DIRECTIONS: Mapping[str, Better] = {
     "ratio_vs_float32": "higher",
     # envelope: peak RSS / the memory cap
     "rss_over_cap": "lower",
-    # round_timeline: a round's wall time / (training + crypto + 4 broker round trips)
+    # round_timeline: a round's wall time / (training + crypto + 4 broker round trips), with
+    # the devices' work summed (one thread) and with the slowest device's only
     "wall_over_floor": "lower",
+    "wall_over_parallel_floor": "lower",
     # small_upload: bytes per upload / the float32 update's bytes
     "bytes_over_float32": "lower",
 }
