@@ -21,3 +21,23 @@ def test_fleet_bench_runs_both_transports_to_the_same_model() -> None:
     assert mq["broker_cpu_s"] >= 0 and mq["broker_peak_rss_mib"] > 0
     assert mq["bytes_up"] == ref["bytes_up"] > 0  # the same messages, counted the same way
     assert "| 40 | mqtt | 3/0 |" in buf.getvalue()
+
+
+@pytest.mark.broker
+def test_round_timeline_accounts_for_the_round() -> None:
+    """Issue 18's round timeline: each stage timed, the busy time and the broker round trip
+    (real mosquitto_pub/mosquitto_sub) measured, and the floor never above the wall."""
+    from tools.bench.round_timeline import run_round_timeline_bench
+
+    buf = io.StringIO()
+    [row] = run_round_timeline_bench(rounds=3, out=buf)
+    assert row["devices"] == 10 and row["rounds_completed"] == 3
+    assert set(row["stages_ms"]) == {"collect_keys", "collect_shares", "collect_masked",
+                                     "collect_unmask"}
+    assert 0 < row["rtt_ms"] < 1000
+    assert 0 < row["slowest_device_ms"] <= row["devices_busy_ms"]
+    for r in row["rounds_detail"]:
+        # what the endpoints did inside the round cannot exceed its wall time
+        assert r["devices_busy_ms"] + r["aggregator_busy_ms"] <= r["wall_ms"] * 1.05
+        assert abs(sum(r["stages_ms"].values()) - r["wall_ms"]) < 1e-6 * r["wall_ms"] + 1e-3
+    assert row["wall_over_floor"] > 0 and "| wall ms |" in buf.getvalue()

@@ -90,6 +90,10 @@ def broker_rtt_ms(host: str, port: int, ca_file: str | None, *, pub: tuple[str, 
         for p in (pub_p, sub_p):
             p.kill()
             p.wait()
+            for f in (p.stdin, p.stdout, p.stderr):
+                if f is not None:
+                    f.close()
+        reader.join(timeout=5.0)
 
 
 def run_round_timeline_bench(*, rounds: int = 6,
@@ -126,8 +130,7 @@ def run_round_timeline_bench(*, rounds: int = 6,
             now = time.perf_counter()
             if isinstance(ev, RoundStarted):
                 current[0] = ev.round_id
-                marks.append(("stage", ev.round_id, "collect_keys", now))
-            elif isinstance(ev, StageChanged):
+            elif isinstance(ev, StageChanged):  # the first: idle -> collect_keys
                 marks.append(("stage", ev.round_id, ev.stage, now))
             note(ev)
 
