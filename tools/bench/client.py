@@ -11,6 +11,7 @@ OS, each value a sum of four Gaussians); Opacus runs without ``secure_mode``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -71,8 +72,19 @@ t = time.perf_counter()
 for _ in range(steps):
     step()
 dt = time.perf_counter() - t
-print(json.dumps({"samples_per_s": steps * batch / dt,
-                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+res = {"samples_per_s": steps * batch / dt,
+       "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+if impl == "fedge":  # where a step's time goes, after the timed loop (issue 18)
+    def timed(fn):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        return 1e3 * (time.perf_counter() - t0) / steps
+    res["noise_ms"] = timed(lambda: [noise_rng.normal(0.0, z * clip, size=p.shape)
+                                     .astype(np.float32) for p in params])
+    res["graph_ms"] = timed(lambda: engine.clipped_grad_sum(params, x, y, clip))
+    res["step_ms"] = 1e3 * dt / steps
+print(json.dumps(res))
 '''
 
 
@@ -135,7 +147,9 @@ def run_client_bench(
     rows = []
     for arch in models:
         shape, classes = MODELS[arch]
-        flops = step_flops(build_spec(arch, shape, classes))
+        spec = build_spec(arch, shape, classes)
+        flops = step_flops(spec)
+        dim = sum(math.prod(s) for _, s in spec.param_shapes())
         steps = 40 if arch == "cnn" else 200
         for b in batches:
             for t in threads:
@@ -158,6 +172,17 @@ def run_client_bench(
                     "sgemm_gflops": sgemm[t]["gflops"], "flop_floor_samples_per_s": floor,
                 }
                 row["speed_ratio"] = row["fedge_samples_per_s"] / row["opacus_samples_per_s"]
+                # where fedge's step goes (medians over its processes, timed after the loop):
+                # the device's hardened noise, the per-sample-gradient graph, the rest
+                noise = statistics.median(r["noise_ms"] for r in res["fedge"])
+                graph = statistics.median(r["graph_ms"] for r in res["fedge"])
+                step_ms = statistics.median(r["step_ms"] for r in res["fedge"])
+                row.update(fedge_noise_ms=noise, fedge_graph_ms=graph, fedge_step_ms=step_ms,
+                           time_split=f"per step {step_ms:.2f} ms: noise {noise:.2f} ms "
+                                      f"({noise / step_ms:.0%}: {dim:,} hardened Gaussians), "
+                                      f"per-sample-gradient graph "
+                                      f"{graph:.2f} ms ({graph / step_ms:.0%}), the rest "
+                                      f"{max(step_ms - noise - graph, 0.0):.2f} ms")
                 row["rss_ratio"] = row["fedge_peak_rss_mib"] / row["opacus_peak_rss_mib"]
                 row["fedge_fraction_of_floor"] = row["fedge_samples_per_s"] / floor
                 rows.append(row)
