@@ -470,7 +470,10 @@ class DeviceSession:
         if r is not None:
             if raw in r.answers:  # a redelivered plan: answer as before
                 r.last_heard = now
-                return list(r.answers[raw])
+                out = list(r.answers[raw])
+                if raw == r.upload:  # the amortized upload, sent again
+                    self._uploaded(r, out, resent=True)
+                return out
             if plan.round_id <= r.plan.round_id:
                 raise RemoteProtocolError(f"plan for round {plan.round_id} while in round "
                                           f"{r.plan.round_id}")

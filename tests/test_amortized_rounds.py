@@ -219,3 +219,32 @@ def test_a_reveal_that_would_leave_too_few_uploads_is_refused(tmp_path, digits,
     assert out == []
     assert "reveal_response" not in _up_kinds(fleet, name)
     fleet.close()
+
+
+def test_a_redelivered_plan_gets_the_same_upload_not_a_second_masking(tmp_path, digits,
+                                                                      engine) -> None:
+    from edge_sdk.session import Uploaded
+
+    fleet = Fleet(tmp_path, digits, engine, rounds=1, policy=AMORTIZED)
+    plans: list[tuple[str, bytes]] = []
+
+    def drop(name: str, topic: str, payload: bytes) -> bool:
+        if topic.endswith("/down/plan"):
+            plans.append((name, payload))
+            if len(plans) == 1:  # keep the round open: one member never uploads
+                fleet.broker.detach(name)
+                return True
+        return False
+
+    fleet.broker.drop = drop
+    fleet.broker.run(fleet.now)
+    name, raw = plans[1]
+    s = fleet.sessions[name]
+    s.take_events()
+    first = [p for _, t, p in fleet.broker.sent if t == wire.device_up_topic(
+        FLEET, name, "masked_part")]
+    again = s.on_message(wire.device_down_topic(FLEET, name, "plan"), raw, fleet.now)
+    assert [p.payload for p in again] == first  # the same bytes: the masks are not redrawn
+    [event] = s.take_events()
+    assert isinstance(event, Uploaded) and event.resent and event.round_id == 1
+    fleet.close()
