@@ -8,8 +8,9 @@ out layer by layer for the supported set, with the weights as graph inputs:
   (s * d)^T a with s_i the clip factor.
 * Conv2d (stride 1, no padding): im2col by one depthwise Conv with one-hot kernels (exact:
   one input times 1.0 per output; not ``F.unfold``, which becomes slow Gather ops in
-  onnxruntime, nor kh*kw slices, 44% of the CNN's step) and a batched MatMul give the per-sample weight gradient
-  [B, out, in*k*k], small for the zoo's convs; the input gradient is a transposed conv.
+  onnxruntime, nor kh*kw slices) and a batched MatMul give the per-sample weight
+  gradient [B, out, in*k*k], small for the zoo's convs; the input gradient is a
+  transposed conv.
 * Conv2d with stride, zero padding or dilation, and Conv1d (as a Conv2d of height 1): the
   same im2col, strided and dilated, of the zero-padded input; the input gradient is a
   transposed conv with those settings and the output padding that restores the input size.
@@ -103,8 +104,8 @@ def _unfold(x: Tensor, kh: int, kw: int, stride: tuple[int, int] = (1, 1),
     one depthwise Conv whose kernels are one-hot (one output channel per window position):
     every output is one input times 1.0 plus exact zeros, so the columns are exactly the
     input's values, as the kh*kw strided slices gave them; one MLAS Conv in onnxruntime in
-    place of the kh*kw Slice, Unsqueeze and Concat nodes, which took 44% of the CNN's step
-    (issue 18's client-step profile)."""
+    place of the kh*kw Slice, Unsqueeze and Concat nodes (44% of the CNN graph's kernel
+    time in onnxruntime's profile; the graph got 5-15% faster, issue 18)."""
     c = x.shape[1]
     eye = torch.eye(kh * kw, dtype=x.dtype).reshape(kh * kw, 1, kh, kw).repeat(c, 1, 1, 1)
     return F.conv2d(x, eye, stride=stride, dilation=dilation, groups=c)
