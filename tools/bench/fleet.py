@@ -35,26 +35,39 @@ from typing import Any, TextIO
 
 from tools.bench.client import REPO
 
-__all__ = ["run_fleet_bench"]
+__all__ = ["digits_logreg_fleet", "run_fleet_bench"]
+
+
+def digits_logreg_fleet(**settings: Any) -> tuple[Any, Any, Any]:
+    """(data, (spec, engine), SimConfig) of the fleet benchmarks' workload: digits with
+    logistic regression, 5 local steps of 16, clip 1, noise multiplier 1, secure
+    aggregation, seed 3; ``settings`` (devices, participation, rounds, transport, ...)
+    complete or override the config."""
+    from edge_sdk.engine import load_engine
+    from edge_sdk.model import build_spec
+    from models import manifest_path
+    from tools.datasets import load_dataset
+    from tools.simconfig import SimConfig
+
+    data = load_dataset("digits")
+    spec = build_spec("logreg", data.input_shape, data.num_classes)
+    engine = load_engine(manifest_path(spec.name, spec.input_shape, spec.num_classes))
+    cfg = SimConfig(**{"dataset": "digits", "model": "logreg", "local_steps": 5,
+                       "batch_size": 16, "lr": 0.5, "clip": 1.0, "noise_multiplier": 1.0,
+                       "value_bound": 2.0, "seed": 3, "secagg": True, "progress": False,
+                       **settings})
+    return data, (spec, engine), cfg
 
 _CHILD = r'''
 import json, os, resource, sys, tempfile, time
 from pathlib import Path
 devices, rounds, transport = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-from tools.datasets import load_dataset
-from edge_sdk.model import build_spec
-from edge_sdk.engine import load_engine
-from models import manifest_path
+from tools.bench.fleet import digits_logreg_fleet
 from tools.fleet import Fleet
-from tools.simconfig import SimConfig
 
-data = load_dataset("digits")
-spec = build_spec("logreg", data.input_shape, data.num_classes)
-engine = load_engine(manifest_path(spec.name, spec.input_shape, spec.num_classes))
-cfg = SimConfig(dataset="digits", model="logreg", devices=devices, participation=0.1,
-                rounds=rounds, local_steps=5, batch_size=16, lr=0.5, clip=1.0,
-                noise_multiplier=1.0, value_bound=2.0, seed=3, secagg=True, dropout=0.1,
-                transport=transport, progress=False)
+data, (spec, engine), cfg = digits_logreg_fleet(devices=devices, participation=0.1,
+                                                rounds=rounds, dropout=0.1,
+                                                transport=transport)
 tick = os.sysconf("SC_CLK_TCK")
 broker = {"cpu_s": 0.0, "peak_rss_kib": 0}
 

@@ -103,21 +103,12 @@ def run_round_timeline_bench(*, rounds: int = 6,
     per-round rows under ``"rounds"``."""
     from aggregator.rounds import RoundStarted, StageChanged
     from edge_sdk import wire
-    from edge_sdk.engine import load_engine
-    from edge_sdk.model import build_spec
-    from models import manifest_path
+    from tools.bench.fleet import digits_logreg_fleet
     from tools.broker import Broker
-    from tools.datasets import load_dataset
     from tools.fleet import AGGREGATOR, FLEET_NAME, Fleet
-    from tools.simconfig import SimConfig
 
-    data = load_dataset("digits")
-    spec = build_spec("logreg", data.input_shape, data.num_classes)
-    engine = load_engine(manifest_path(spec.name, spec.input_shape, spec.num_classes))
-    cfg = SimConfig(dataset="digits", model="logreg", devices=DEVICES, participation=1.0,
-                    rounds=rounds, local_steps=5, batch_size=16, lr=0.5, clip=1.0,
-                    noise_multiplier=1.0, value_bound=2.0, seed=3, secagg=True, dropout=0.0,
-                    transport="mqtt", progress=False)
+    data, (spec, engine), cfg = digits_logreg_fleet(
+        devices=DEVICES, participation=1.0, rounds=rounds, dropout=0.0, transport="mqtt")
     marks: list[tuple[str, int | None, str, float]] = []  # (what, round, stage, time)
     busy: dict[tuple[str, int], float] = {}
     rtt: list[float] = []

@@ -32,20 +32,12 @@ COHORT = 10
 
 
 def _one(protocol: str, rounds: int) -> dict[str, Any]:
-    from edge_sdk.engine import load_engine
-    from edge_sdk.model import build_spec
-    from models import manifest_path
-    from tools.datasets import load_dataset
+    from tools.bench.fleet import digits_logreg_fleet
     from tools.fleet import Fleet
-    from tools.simconfig import SimConfig
 
-    data = load_dataset("digits")
-    spec = build_spec("logreg", data.input_shape, data.num_classes)
-    engine = load_engine(manifest_path(spec.name, spec.input_shape, spec.num_classes))
-    cfg = SimConfig(dataset="digits", model="logreg", devices=COHORT, participation=1.0,
-                    rounds=rounds, local_steps=5, batch_size=16, lr=0.5, clip=1.0,
-                    noise_multiplier=1.0, value_bound=2.0, seed=3, secagg=True, dropout=0.0,
-                    transport="mqtt", secagg_protocol=protocol, progress=False)
+    data, (spec, engine), cfg = digits_logreg_fleet(
+        devices=COHORT, participation=1.0, rounds=rounds, dropout=0.0, transport="mqtt",
+        secagg_protocol=protocol)
     with tempfile.TemporaryDirectory() as tmp:
         summary = Fleet(cfg, tmp, data=data, engine=(spec, engine)).run()
     per = summary["bytes_up_per_upload"]
