@@ -378,6 +378,8 @@ class Fleet:
         self.records: dict[int, _RoundRecord] = {}
         self.outcomes: dict[int, RoundOutcome] = {}
         self._ended: list[RoundOutcome] = []  # rounds that ended, not yet recorded
+        self._last_end: float | None = None  # when the last round was recorded
+        self.broker_config: Any = None  # the MQTT run's broker (for measurements)
         self.rows: list[dict[str, Any]] = []
         self.eps_local = 0.0
         self.eps_aggregate = 0.0
@@ -638,7 +640,7 @@ class Fleet:
 
     def _rounds_wall(self) -> float | None:
         starts = [r.started for r in self.records.values()]
-        end = getattr(self, "_last_end", None)
+        end = self._last_end
         return None if not starts or end is None else end - min(starts)
 
     def check_sums(self) -> None:
