@@ -147,6 +147,12 @@ class RoundPolicy:
         server_opt, server_lr: server optimizer from ``aggregator.optimizers.OPTIMIZERS``.
         seed: seeds the cohort selection (with the round id).
         max_packet: largest MQTT payload the devices may send (their chunk size).
+        sum_cohort: the most uploads one decoded sum may hold, >= cohort_size (None:
+            cohort_size). A gateway that forwards its cohort's sum to a site
+            (``aggregator.site``) sets it to the site's total, gateways x cohort_size, so
+            that the site's sum of the gateways' sums cannot wrap: it sizes the
+            fixed-point grid (``"gaussian"``) and the ring (``"device-dp"``), never the
+            noise, which stays calibrated on this cohort's honest members alone.
     """
 
     fleet: str
@@ -189,6 +195,7 @@ class RoundPolicy:
     server_opt: str = "fedavg"
     server_lr: float = 1.0
     seed: int = 0
+    sum_cohort: int | None = None
     max_packet: int = wire.DEFAULT_MAX_PACKET
 
     def __post_init__(self) -> None:
@@ -198,6 +205,10 @@ class RoundPolicy:
         if self.min_cohort is not None and not 3 <= self.min_cohort <= self.cohort_size:
             raise ValueError(f"min_cohort must be in [3, cohort_size={self.cohort_size}], "
                              f"got {self.min_cohort!r}")
+        if self.sum_cohort is not None and not (
+                isinstance(self.sum_cohort, int) and self.sum_cohort >= self.cohort_size):
+            raise ValueError(f"sum_cohort must be None or an integer >= cohort_size="
+                             f"{self.cohort_size}, got {self.sum_cohort!r}")
         for name in ("checkin_window", "stage_timeout"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
@@ -247,7 +258,7 @@ class RoundPolicy:
         if problem:
             raise ValueError(problem)
         FixedPoint(scale=self.fixed_point_scale(), bits=self.bits).check_no_wrap(
-            self.value_bound, self.cohort_size)
+            self.value_bound, self.ring_cohort)
 
     def _check_mechanism_settings(self) -> None:
         """The update-noise, ddg and binomial settings (see the class): each valid on its
@@ -364,12 +375,17 @@ class RoundPolicy:
             return self.min_survivors
         return self.config_threshold(self.config_degree(n))
 
+    @property
+    def ring_cohort(self) -> int:
+        """The uploads one decoded sum may hold: ``sum_cohort``, else ``cohort_size``."""
+        return self.cohort_size if self.sum_cohort is None else self.sum_cohort
+
     def fixed_point_scale(self) -> float:
         if self.scale is not None:
             return self.scale
         # two bits of margin below the exact bound, so that no float rounding of
         # value_bound * scale can push the sum across the sign bit
-        cohort_bits = (self.cohort_size - 1).bit_length()
+        cohort_bits = (self.ring_cohort - 1).bit_length()
         return min(2.0 ** (self.bits - 3 - cohort_bits), 2.0**52) / self.value_bound
 
 
@@ -462,7 +478,8 @@ def _device_dp(policy: RoundPolicy, dim: int, cohort_size: int) -> tuple[Record,
         local_noise_multiplier=float(policy.local_noise_multiplier),
         update_clip=float(policy.update_clip), gamma=float(policy.gamma),
         noise_multiplier=float(policy.noise_multiplier), sparsity=float(policy.sparsity),
-        dim=dim, cohort_size=cohort_size, honest=honest,
+        # the ring holds every upload a decoded sum may add up (a site's: sum_cohort)
+        dim=dim, cohort_size=max(cohort_size, policy.ring_cohort), honest=honest,
         wrap_probability=policy.wrap_probability, ring_bound=policy.ring_bound,
         indicator_scale=(0.0 if policy.adaptive_clip_quantile is None
                          else 2.0 * policy.indicator_ratio * float(policy.update_clip)),
@@ -549,14 +566,20 @@ def draw_cohort(eligible: Sequence[str], *, policy: RoundPolicy,
 
 def draw_plan(policy: RoundPolicy, *, round_id: int, model_version: int,
               cohort: tuple[str, ...], dim: int,
-              random_bytes: Callable[[int], bytes]) -> RoundPlan:
+              random_bytes: Callable[[int], bytes],
+              round_seed: bytes | None = None) -> RoundPlan:
     """Round ``round_id``'s plan (unsigned) for ``cohort``, training from model
     ``model_version`` of ``dim`` parameters: the mechanism's public settings
     (:func:`mechanism_params`), the round's secrets (:func:`round_secrets`, the round's
-    only draws from ``random_bytes``) and the SecAgg+ settings of a cohort of that size."""
+    only draws from ``random_bytes``) and the SecAgg+ settings of a cohort of that size.
+    ``round_seed``: a gateway's round takes its site's seed (``aggregator.site``), and
+    draws only the nonce."""
     n = len(cohort)
     params, length, bits = mechanism_params(policy, dim=dim, cohort_size=n)
-    round_seed, nonce = round_secrets(random_bytes)
+    if round_seed is None:
+        round_seed, nonce = round_secrets(random_bytes)
+    else:
+        nonce = random_bytes(32)
     degree = policy.config_degree(n)
     return RoundPlan(
         round_id=round_id, model_version=model_version, cohort=cohort,

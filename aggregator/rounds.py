@@ -107,6 +107,7 @@ from aggregator.secagg_server import (
     SecAggServer,
     ServerStage,
 )
+from aggregator.site import Upstream, check_gateway_policy, gateway_sum
 from edge_sdk import wire
 from edge_sdk.errors import (
     LocalProtocolError,
@@ -119,10 +120,12 @@ from edge_sdk.wire import (
     CheckIn,
     Decline,
     ErrorNotice,
+    GatewaySum,
     ModelUpdate,
     Publish,
     RoundPlan,
     SecAggUp,
+    SiteRound,
     WireArray,
 )
 
@@ -414,6 +417,14 @@ class RoundMachine:
             fleet simulator uses it to start rounds only once every live device checked in,
             so that the cohort does not depend on message timing.
         limits: per-device flood limits (``aggregator.guard.FloodLimits()`` by default).
+        upstream: this machine is a gateway of a site (``aggregator.site``): it runs a
+            round only when the site announces one (that id, the site's round seed,
+            from the site's model, with a full cohort), forwards the sum its secure
+            aggregation released to the site instead of applying it, and adopts and
+            republishes (signed by itself) the site's models. None: a flat fleet.
+        select: (eligible devices, round id) -> the round's cohort (sorted), in place of
+            ``round_core.draw_cohort``: a stratified draw (``tools.hierarchy`` runs a flat
+            fleet with the cohorts its gateways drew, to compare the two bit for bit).
     """
 
     def __init__(
@@ -427,6 +438,8 @@ class RoundMachine:
         checkpoint: Callable[[bytes], None] | None = None,
         start_gate: Callable[[Mapping[str, CheckIn]], bool] | None = None,
         limits: FloodLimits | None = None,
+        upstream: Upstream | None = None,
+        select: Callable[[Sequence[str], int], tuple[str, ...]] | None = None,
     ) -> None:
         if registry.aggregator_key != identity.public_key:
             raise ValueError("the registry's aggregator key is not this identity's")
@@ -460,6 +473,12 @@ class RoundMachine:
         self._quarantine: dict[str, int] = {}  # device -> the round its quarantine outlasts
         self._dropped: dict[str, int] = {}  # device -> messages dropped in its quarantine
         self._events: deque[Event] = deque(maxlen=_EVENTS)
+        if upstream is not None:
+            check_gateway_policy(policy)
+        self._upstream = upstream
+        self._select = select
+        self._site_round: SiteRound | None = None  # the site's newest announcement
+        self._site_model: tuple[int, int] | None = None  # (version, round) adopted last
 
     # ------------------------------------------------------------------ properties
 
@@ -536,10 +555,13 @@ class RoundMachine:
         of filters per enrolled device not in quarantine (so that a broker discards a
         quarantined device's messages once its filters are unsubscribed)."""
         root = wire.fleet_topic(self.policy.fleet)
+        up = self._upstream
+        site = [] if up is None else [wire.site_round_topic(up.site),
+                                      wire.site_model_topic(up.site)]
         if not per_device:
-            return [f"{root}/dev/+/up/+", f"{root}/status/+"]
-        return [f for dev in sorted(self._reg.devices) if dev not in self._quarantine
-                for f in self.device_subscriptions(dev)]
+            return [f"{root}/dev/+/up/+", f"{root}/status/+", *site]
+        return site + [f for dev in sorted(self._reg.devices) if dev not in self._quarantine
+                       for f in self.device_subscriptions(dev)]
 
     def device_subscriptions(self, device: str) -> list[str]:
         """The per-device filters of ``device`` (see :meth:`subscriptions`)."""
@@ -586,6 +608,14 @@ class RoundMachine:
 
     def on_message(self, topic: str, payload: bytes, now: float) -> list[Publish]:
         """One inbound message. Never raises: a bad message is logged and changes nothing."""
+        up = self._upstream
+        if up is not None and topic in (wire.site_round_topic(up.site),
+                                        wire.site_model_topic(up.site)):
+            try:
+                return self._from_site(topic, payload, now)
+            except RemoteProtocolError as e:
+                self._reject(topic, f"from the site: {e}")
+                return []
         device = _topic_device(topic, self.policy.fleet)
         if device is not None and device in self._reg.devices:
             # before any decoding: a flood costs a lookup per message, not a parse
@@ -771,6 +801,8 @@ class RoundMachine:
             return self._fail(now, str(e))
         survivors = r.server.survivors
         plan = r.plan
+        if self._upstream is not None:
+            return self._forward(r, total, survivors)
         done = finish(plan, total, len(survivors), params=self._params,
                       server=server_half(plan, dim=self.dimension), optimizer=self._opt,
                       opt_state=self._opt_state)
@@ -815,6 +847,10 @@ class RoundMachine:
                                                       detail=reason[:256]), self._idn)))
             for dev in plan.cohort if dev not in r.declined
         ]
+        if self._upstream is not None:  # the site need not wait for this gateway
+            out.append(self._sum_publish(gateway_sum(plan, gateway=self._upstream.gateway,
+                                                     total=None, survivors=0,
+                                                     detail=reason)))
         self._release(plan.round_id)
         self._ended(r)
         self._save()
@@ -843,6 +879,11 @@ class RoundMachine:
             return []
         if pol.max_rounds is not None and self._last_round >= pol.max_rounds:
             return []
+        site = self._site_round
+        if self._upstream is not None and (
+                site is None or site.round_id <= self._last_round
+                or site.model_version != self._version):
+            return []  # a gateway runs the site's rounds only, from the site's model
         eligible = self._eligible()
         full = pol.cohort_size
         if too_few_eligible(len(eligible), policy=pol):
@@ -858,14 +899,18 @@ class RoundMachine:
 
     def _start(self, now: float, eligible: list[str]) -> list[Publish]:
         pol = self.policy
-        round_id = self._last_round + 1
-        cohort = draw_cohort(eligible, policy=pol, round_id=round_id)
+        site = self._site_round if self._upstream is not None else None
+        round_id = self._last_round + 1 if site is None else site.round_id
+        cohort = (draw_cohort(eligible, policy=pol, round_id=round_id) if self._select is None
+                  else self._select(eligible, round_id))
         n = len(cohort)
         if self._update_clip is not None:  # adaptive clipping's current S
             pol = with_update_clip(pol, self._update_clip)
         plan = wire.sign(draw_plan(pol, round_id=round_id, model_version=self._version,
                                    cohort=cohort, dim=self.dimension,
-                                   random_bytes=self._random), self._idn)
+                                   random_bytes=self._random,
+                                   round_seed=None if site is None else site.round_seed),
+                         self._idn)
         server = _server_for(plan, identity=self._idn, registry=self._reg)
         payload = wire.encode(plan)
         outbox = [Publish(wire.device_down_topic(pol.fleet, dev, "plan"), payload)
@@ -887,6 +932,73 @@ class RoundMachine:
                                                     "round": round_id, "cohort": list(cohort)}})
         self._save()
         return list(outbox)
+
+    # ------------------------------------------------------------------ site (gateway)
+
+    def _forward(self, r: _Round, total: np.ndarray, survivors: tuple[str, ...]
+                 ) -> list[Publish]:
+        """A gateway's end of a completed round: the released sum goes to the site; the
+        model changes only when the site's new one arrives (:meth:`_from_site`)."""
+        assert self._upstream is not None
+        plan = r.plan
+        self._record(RoundOutcome(round_id=plan.round_id, completed=True, survivors=survivors,
+                                  detail="forwarded to the site", total=total,
+                                  model_version=self._version, uploaded=survivors))
+        logger.info("round %d done: %d survivors, sum forwarded to site %s", plan.round_id,
+                    len(survivors), self._upstream.site, extra={"fedge": {
+                        "event": "round_forwarded", "round": plan.round_id,
+                        "survivors": len(survivors)}})
+        self._round = None
+        self._startable_since = None
+        self._release(plan.round_id)
+        self._ended(r)
+        self._save()
+        return [self._sum_publish(gateway_sum(plan, gateway=self._upstream.gateway,
+                                              total=total, survivors=len(survivors)))]
+
+    def _sum_publish(self, msg: GatewaySum) -> Publish:
+        assert self._upstream is not None
+        up = self._upstream
+        return Publish(wire.gateway_up_topic(up.site, up.gateway, msg.KIND),
+                       wire.encode(wire.sign(msg, self._idn)))
+
+    def _from_site(self, topic: str, payload: bytes, now: float) -> list[Publish]:
+        """The site's round announcement or model (verified with the site's key)."""
+        up = self._upstream
+        assert up is not None
+        if topic == wire.site_round_topic(up.site):
+            msg = wire.decode(payload, wire.SITE_KINDS)
+            if not isinstance(msg, SiteRound):
+                raise RemoteProtocolError(f"a {msg.KIND} message on the site round topic")
+            wire.verify(msg, up.site_key)
+            if self._site_round is None or msg.round_id > self._site_round.round_id:
+                self._site_round = msg
+                self._save()
+            return self._maybe_start(now)
+        model = wire.decode(payload, wire.MODEL_KINDS)
+        assert isinstance(model, ModelUpdate)
+        wire.verify(model, up.site_key)
+        key = (model.version, model.round_id)
+        if key == self._site_model or model.version < self._version:
+            return []
+        params = model.params()
+        shapes = [p.shape for p in self._params]
+        if [p.shape for p in params] != shapes:
+            raise RemoteProtocolError(f"the site's model has shapes {[p.shape for p in params]}"
+                                      f", this gateway's {shapes}")
+        out: list[Publish] = []
+        r = self._round
+        if r is not None and r.plan.model_version < model.version:
+            out += self._fail(now, f"superseded by the site's model version {model.version}")
+        self._params = [np.asarray(p, dtype=np.float32) for p in params]
+        self._version = model.version
+        self._model_round = model.round_id
+        self._model_msg = self._sign_model(model.round_id)  # devices trust their gateway
+        self._site_model = key
+        logger.info("adopted site %s's model version %d (round %d)", up.site, model.version,
+                    model.round_id)
+        self._save()
+        return out + [self._model_publish()] + self._maybe_start(now)
 
     # ------------------------------------------------------------------ model
 
@@ -927,6 +1039,8 @@ class RoundMachine:
             ],
             "quarantine": sorted([d, u] for d, u in self._quarantine.items()),
             "short": sorted([d, v] for d, v in self._short.items()),
+            "site_round": None if self._site_round is None else wire.encode(self._site_round),
+            "site_model": None if self._site_model is None else list(self._site_model),
             "round": None if r is None else {
                 "plan": wire.encode(r.plan),
                 "stage": r.stage.value,
@@ -952,6 +1066,7 @@ class RoundMachine:
         checkpoint: Callable[[bytes], None] | None = None,
         start_gate: Callable[[Mapping[str, CheckIn]], bool] | None = None,
         limits: FloodLimits | None = None,
+        upstream: Upstream | None = None,
     ) -> RoundMachine:
         """A machine in exactly the state :meth:`snapshot` captured (``start_gate`` and
         ``limits`` as in the constructor; they are not part of the snapshot, nor are the
@@ -967,6 +1082,15 @@ class RoundMachine:
             s = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
             m = cls._restore(s, policy, identity, registry, random_bytes, checkpoint)
             m._start_gate = start_gate
+            if upstream is not None:
+                check_gateway_policy(policy)
+                m._upstream = upstream
+                raw = s.get("site_round")
+                m._site_round = None if raw is None else wire.decode(raw, wire.SITE_KINDS)  # type: ignore[assignment]
+                if m._site_round is not None:
+                    wire.verify(m._site_round, upstream.site_key)
+                sm = s.get("site_model")
+                m._site_model = None if sm is None else (int(sm[0]), int(sm[1]))
             if limits is not None:
                 m._guard = FloodGuard(limits)
             return m

@@ -142,6 +142,16 @@ def golden_messages() -> dict[str, wire.Message]:
             agg),
         "error": wire.sign(ErrorNotice(round_id=7, recipient="dev-c", code="round_failed",
                                        detail="2 of 3 survived, need 3"), agg),
+        # the site <-> gateway kinds (issue 19): agg stands in for the site, dev-a's key
+        # for gateway "dev-a"
+        "site_round": wire.sign(wire.SiteRound(round_id=7, model_version=3,
+                                               round_seed=bytes(range(32, 64)),
+                                               deadline_s=300.0), agg),
+        "gateway_sum": wire.sign(wire.GatewaySum(
+            round_id=7, sender="dev-a", model_version=3, mechanism="gaussian", params=params,
+            round_seed=bytes(range(32, 64)), bits=32, length=5, cohort=cfg.cohort,
+            survivors=3, total=wire.WireArray.of(np.array([1, 2, 3, 4, 2**32 - 1],
+                                                          np.uint32))), devs[0]),
         **_secagg_messages(),
     }
 
@@ -162,7 +172,8 @@ KIND_NAMES = sorted(ALL_KINDS)
 def test_every_kind_has_a_golden_vector(messages) -> None:
     assert sorted(messages) == KIND_NAMES
     assert all(m.KIND == k for k, m in messages.items())
-    assert set(UP_KINDS) | set(DOWN_KINDS) | {"model"} == set(ALL_KINDS)
+    assert set(UP_KINDS) | set(DOWN_KINDS) | {"model"} | set(wire.SITE_KINDS) == set(ALL_KINDS)
+    assert not set(wire.SITE_KINDS) & set(wire.DEVICE_KINDS)  # no device decodes them
     assert not set(UP_KINDS) & set(DOWN_KINDS)
     assert set(SECAGG_UP) <= set(UP_KINDS) and set(SECAGG_DOWN) <= set(DOWN_KINDS)
 

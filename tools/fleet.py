@@ -41,14 +41,14 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 
-from aggregator.round_core import mechanism_params
+from aggregator.round_core import RoundPolicy, mechanism_params
 from aggregator.rounds import (
     Event,
     RoundEnded,
@@ -56,6 +56,7 @@ from aggregator.rounds import (
     RoundOutcome,
     RoundStarted,
 )
+from aggregator.site import Upstream
 from aggregator.store import CheckpointStore
 from edge_sdk import secagg, wire
 from edge_sdk.csprng import seeded_round_rng
@@ -315,6 +316,14 @@ class _RoundRecord:
     meter_before: dict[str, int]
 
 
+def shard_indices(cfg: SimConfig, data: Dataset) -> list[np.ndarray]:
+    """Each device's training-set indices (``tools.partition`` with the fleet's first
+    seed), in ``device_names`` order: what every simulated fleet of ``cfg`` holds."""
+    part_rng = np.random.default_rng(np.random.SeedSequence(cfg.seed).spawn(3)[0])
+    return partition(data.y_train, cfg.devices, cfg.partition, part_rng,
+                     num_classes=data.num_classes)
+
+
 class Fleet:
     """N devices and an aggregator, ready to run over ``inproc`` or ``mqtt``.
 
@@ -323,11 +332,22 @@ class Fleet:
             policy fields).
         workdir: where ledgers, the aggregator's checkpoint and the broker's files go.
         out: progress lines (when ``cfg.progress``).
+        members: the 0-based indices (in the fleet of ``cfg.devices``) of the devices this
+            aggregator serves (None: all): a gateway of a site (``tools.hierarchy``). Each
+            device keeps its name, data shard, identity and seeds of the whole fleet.
+        policy: the round policy (default ``round_policy(cfg, ...)``).
+        upstream: the aggregator is a site's gateway (``RoundMachine(upstream=...)``).
+        select: the round machine's cohort rule (``RoundMachine(select=...)``).
+        schedule: the dropouts (an object with ``victims(round_id, cohort)``; default
+            ``DropoutSchedule(cfg.dropout, cfg.seed)`` when ``cfg.dropout > 0``).
     """
 
     def __init__(self, cfg: SimConfig, workdir: str | Path, *, out: TextIO | None = None,
-                 data: Dataset | None = None, engine: tuple[ModelSpec, Engine] | None = None
-                 ) -> None:
+                 data: Dataset | None = None, engine: tuple[ModelSpec, Engine] | None = None,
+                 members: Sequence[int] | None = None, policy: RoundPolicy | None = None,
+                 upstream: Upstream | None = None,
+                 select: Callable[[Sequence[str], int], tuple[str, ...]] | None = None,
+                 schedule: Any = None) -> None:
         t0 = time.perf_counter()
         cfg.fleet_checks()
         self.cfg = cfg
@@ -340,31 +360,37 @@ class Fleet:
                 manifest_path(spec.name, spec.input_shape, spec.num_classes),
                 backend=cfg.backend, threads=cfg.threads)
         self.spec, self.engine = engine
-        seeds = np.random.SeedSequence(cfg.seed).spawn(3)
-        part_rng, init_rng, _ = (np.random.default_rng(s) for s in seeds)
-        self.names = device_names(cfg.devices)
-        shards = partition(self.data.y_train, cfg.devices, cfg.partition, part_rng,
-                           num_classes=self.data.num_classes)
-        self.shards = {n: (self.data.x_train[idx], self.data.y_train[idx])
-                       for n, idx in zip(self.names, shards, strict=True)}
+        init_rng = np.random.default_rng(np.random.SeedSequence(cfg.seed).spawn(3)[1])
+        everyone = device_names(cfg.devices)
+        self.index = {n: i for i, n in enumerate(everyone)}
+        self.names = everyone if members is None else [everyone[i] for i in members]
+        self.upstream = upstream
+        shards = shard_indices(cfg, self.data)
+        sizes = [len(idx) for idx in shards]  # the whole fleet's public facts
+        self.shards = {n: (self.data.x_train[shards[self.index[n]]],
+                           self.data.y_train[shards[self.index[n]]]) for n in self.names}
+        label = "" if upstream is None else f"/gateway/{upstream.gateway}"
         self.agg_id = secagg.AggregatorIdentity.generate(
-            random_bytes=seeded_bytes(f"fedge-fleet/{cfg.seed}/aggregator-id"))
+            random_bytes=seeded_bytes(f"fedge-fleet/{cfg.seed}/aggregator-id{label}"))
         self.ids = {n: secagg.DeviceIdentity.generate(n, random_bytes=seeded_bytes(
             f"fedge-fleet/{cfg.seed}/id/{n}")) for n in self.names}
         self.registry = secagg.Registry.of(self.agg_id, list(self.ids.values()))
         self.budget = Budget(epsilon=(FLEET_BUDGET_EPSILON if cfg.budget_epsilon is None
                                       else cfg.budget_epsilon), delta=cfg.delta)
-        self.policy = round_policy(cfg, [len(y) for _, y in self.shards.values()])
+        self.policy = round_policy(cfg, sizes) if policy is None else policy
         self.initial = init_params(self.spec, init_rng)
         (self.workdir / "ledgers").mkdir(parents=True, exist_ok=True)
         self.store = CheckpointStore(self.workdir / "aggregator.ckpt")
         self.machine = RoundMachine(
             policy=self.policy, identity=self.agg_id, registry=self.registry,
-            params=self.initial, random_bytes=round_random_bytes(cfg.seed),
-            checkpoint=self.store.save, start_gate=self._all_checked_in)
+            params=self.initial, random_bytes=round_random_bytes(cfg.seed) if upstream is None
+            else seeded_bytes(f"fedge-fleet/{cfg.seed}/rounds{label}"),
+            checkpoint=self.store.save, start_gate=self._all_checked_in, upstream=upstream,
+            select=select)
         self.gone: set[str] = set()
         self.meter = Meter()
-        self.schedule = DropoutSchedule(cfg.dropout, cfg.seed) if cfg.dropout > 0 else None
+        self.schedule = schedule if schedule is not None else (
+            DropoutSchedule(cfg.dropout, cfg.seed) if cfg.dropout > 0 else None)
         self.ledgers: dict[str, Ledger] = {}
         self.agents: dict[str, DeviceAgent] = {}
         for n in self.names:
@@ -398,8 +424,7 @@ class Fleet:
 
     def new_session(self, name: str, *, restart: int = 0) -> DeviceSession:
         """The device's session (``restart`` > 0: a new process, other key material)."""
-        i = self.names.index(name)
-        seed = device_seed(self.cfg.seed, i)
+        seed = device_seed(self.cfg.seed, self.index[name])
         x, y = self.shards[name]
         return DeviceSession(
             fleet=FLEET_NAME, identity=self.ids[name], registry=self.registry,
@@ -469,7 +494,7 @@ class Fleet:
             self.eps_local = max(self.eps_local, spent.local_epsilon)
             self.eps_aggregate = max(self.eps_aggregate, spent.aggregate_epsilon)
             self.eps_device = worst(self.eps_device, spent.device_epsilon)
-        if o.completed:
+        if o.completed and self.upstream is None:  # a gateway's model comes from its site
             self._acc = self._evaluate(self.machine.params)
         now = self.meter.snapshot()
         before = rec.meter_before if rec else {k: 0 for k in now}

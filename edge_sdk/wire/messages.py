@@ -20,6 +20,13 @@ every kind; ``tests/golden/wire_vectors.json`` pins each encoding. Topics
     reveal_request    aggregator -> device       aggregator   RoundConfig digest
     error             aggregator -> device       aggregator   -
     model             aggregator -> everyone     aggregator   -   (retained)
+    site_round        site -> every gateway      the site     -   (retained; issue 19)
+    gateway_sum       gateway -> site            the gateway  -   (issue 19)
+
+The two site kinds join gateways to a site (``aggregator.site``): a device never decodes
+them (they are not in :data:`DEVICE_KINDS`). Their roles map onto the schema's: the site
+signs like an aggregator (its key is the gateways' ``site_key``), a gateway like a device
+(``"from"`` names it; its key is in the site's gateway registry).
 
 ``encrypted_share`` travels only inside ``share_keys`` and ``forwarded_shares``: signed by
 the device that sealed it, so the recipient can check it after the aggregator's relay.
@@ -100,7 +107,10 @@ __all__ = [
     "RevealResponse",
     "RoundPlan",
     "SECAGG_PROTOCOLS",
+    "SITE_KINDS",
+    "GatewaySum",
     "ShareKeys",
+    "SiteRound",
     "UnmaskRequest",
     "UnmaskResponse",
     "UpdateNoiseParams",
@@ -681,6 +691,85 @@ class ModelUpdate(Message):
         return [a.to_numpy() for a in self.arrays]
 
 
+# =========================================================================== site <-> gateway
+
+
+@message(kind="site_round", signer=AGGREGATOR, party=None)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SiteRound(Message):
+    """Site -> every gateway (retained): "run round ``round_id`` from model
+    ``model_version``" (``aggregator.site``).
+
+    Attributes:
+        round_id: the site's round, unique and increasing, >= 1; each gateway runs a
+            round of this id with its own cohort.
+        model_version: the site's model version the round trains from (the gateways
+            republish that model to their devices).
+        round_seed: the round's public 32-byte seed, the same in every gateway's plan (the
+            rand-k coordinate set: the gateways' sums add up only on one set).
+        deadline_s: seconds the site waits for gateway sums once it announced the round.
+    """
+
+    round_id: int = Round(1)
+    model_version: int = Int(0, ROUND_HI)
+    round_seed: bytes = Bytes(32)
+    deadline_s: float = Float(0.0, 86400.0, open_lo=True)
+    sig: bytes = Sig()
+
+
+@message(kind="gateway_sum", signer=DEVICE)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GatewaySum(Message):
+    """Gateway -> site: what its secure aggregation of site round ``round_id`` released.
+
+    The gateway forwards exactly the view it had: the sum mod 2^bits of its
+    ``survivors`` uploads (each already noised by its device for this gateway's cohort
+    alone, as the plan's mechanism requires) and their count, with the plan fields the
+    site's decoding needs. ``survivors == 0``: the gateway's round failed (``detail``
+    says why) and ``total`` is absent.
+
+    Attributes:
+        sender: the gateway's name; model_version, mechanism, params, round_seed, bits,
+            length: those of the plan its cohort ran (``RoundPlan``);
+        cohort: the gateway's cohort (sorted device names; the site's decoding plan is
+            for their union); survivors: uploads in the sum (0: failed);
+        total: the ring sum, ``length`` unsigned integers below 2^bits;
+        detail: why it failed ("" when it did not).
+    """
+
+    round_id: int = Round(1)
+    sender: str = From()
+    model_version: int = Int(0, ROUND_HI)
+    mechanism: str = Name()
+    params: Any = ParamsOf("mechanism", MECHANISM_PARAMS)
+    round_seed: bytes = Bytes(32)
+    bits: int = Int(2, 64)
+    length: int = Int(1, "max_array_elements")
+    cohort: tuple[str, ...] = Names(min=3, sorted_unique=True)
+    survivors: int = Int(0, "max_cohort")
+    total: WireArray | None = Optional(Struct(WireArray))
+    detail: str = Str(default="")
+    sig: bytes = Sig()
+
+    def wire_check(self, limits: Limits) -> None:
+        if self.survivors > len(self.cohort):
+            raise ValueError(f"survivors {self.survivors} exceed the cohort's "
+                             f"{len(self.cohort)} devices")
+        if (self.survivors == 0) != (self.total is None):
+            raise ValueError("a gateway sum has a total exactly when survivors >= 1, got "
+                             f"survivors {self.survivors} and "
+                             f"{'no total' if self.total is None else 'a total'}")
+        if self.total is None:
+            return
+        if self.total.dtype[1] != "u" or self.total.shape != (self.length,):
+            raise ValueError(f"total must be {self.length} unsigned integers, got dtype "
+                             f"{self.total.dtype} shape {list(self.total.shape)}")
+        if self.bits < 8 * np.dtype(self.total.dtype).itemsize:
+            top = int(self.total.to_numpy().max(initial=0))
+            if top >> self.bits:
+                raise ValueError(f"total holds {top}, not below 2^{self.bits}")
+
+
 # =========================================================================== catalogs
 
 SecAggUp: TypeAlias = AdvertiseKeys | ShareKeys | MaskedPart | UnmaskResponse | RevealResponse
@@ -698,6 +787,9 @@ MODEL_KINDS = catalog(ModelUpdate)
 """The retained model topic's one kind."""
 DEVICE_KINDS = catalog(RoundPlan, ErrorNotice, ModelUpdate, *SECAGG_DOWN.values())
 """Everything a device decodes (down topics and the model)."""
-ALL_KINDS = catalog(*UP_KINDS.values(), *DOWN_KINDS.values(), ModelUpdate)
+SITE_KINDS = catalog(SiteRound, GatewaySum)
+"""The site <-> gateway kinds (``aggregator.site``); no device decodes them."""
+ALL_KINDS = catalog(*UP_KINDS.values(), *DOWN_KINDS.values(), ModelUpdate,
+                    *SITE_KINDS.values())
 """Every top-level kind (``encrypted_share`` only travels nested)."""
 

@@ -7,6 +7,12 @@ The broker's ACLs are written from the same functions (``tools/broker.py``)::
     fedge/<fleet>/status/<device>            the device's online/offline (last will)
     fedge/<fleet>/model                      the global model, retained; only the aggregator
     fedge/<fleet>/round                      round announcements; only the aggregator
+    fedge/<site>/site/round                  the site's round, retained; only the site
+    fedge/<site>/site/model                  the site's global model, retained; only the site
+    fedge/<site>/gw/<gateway>/up/<kind>      gateway -> site; only <gateway> may publish
+
+The site topics cross mosquitto bridges between a gateway's broker and the site's
+(``tools.hierarchy``); the device topics never leave a gateway's broker.
 
 Names follow :data:`edge_sdk._validate.NAME_PATTERN` (``[A-Za-z0-9_.-]{1,64}``), the rule
 the schema's ``Name`` fields check on every message, so they can never contain MQTT
@@ -25,8 +31,11 @@ __all__ = [
     "device_down_topic",
     "device_up_topic",
     "fleet_topic",
+    "gateway_up_topic",
     "model_topic",
     "mqtt_publish_size",
+    "site_model_topic",
+    "site_round_topic",
     "status_topic",
 ]
 
@@ -65,6 +74,22 @@ def status_topic(fleet: str, device: str) -> str:
 def model_topic(fleet: str) -> str:
     """The retained global model: ``fedge/<fleet>/model``."""
     return f"{fleet_topic(fleet)}/model"
+
+
+def site_round_topic(site: str) -> str:
+    """The site's retained round announcement: ``fedge/<site>/site/round``."""
+    return f"{fleet_topic(site)}/site/round"
+
+
+def site_model_topic(site: str) -> str:
+    """The site's retained global model: ``fedge/<site>/site/model``."""
+    return f"{fleet_topic(site)}/site/model"
+
+
+def gateway_up_topic(site: str, gateway: str, kind: str) -> str:
+    """A gateway's message to its site: ``fedge/<site>/gw/<gateway>/up/<kind>``."""
+    return (f"{fleet_topic(site)}/gw/{check_name('gateway', gateway)}/up/"
+            f"{check_name('kind', kind)}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,526 @@
+"""Beyond one gateway: a site above gateways, sans-I/O (issue 19; DESIGN, "Scale").
+
+Topology (``tools.hierarchy`` runs it over mosquitto bridges or in memory)::
+
+    devices -- gateway broker + RoundMachine(upstream=...) \\
+    devices -- gateway broker + RoundMachine(upstream=...)  }-- bridges -- site broker
+    ...                                                    /               + SiteMachine
+
+One site round (:class:`SiteMachine`)::
+
+    announce   SiteRound(round r, model v, round seed)  retained on fedge/<site>/site/round
+    gateways   each runs round r of secure aggregation over its own cohort (its own
+               RoundMachine, its devices' plans signed by it), from model v, on the
+               site's round seed, and forwards GatewaySum: the ring sum its
+               aggregation released and the count of uploads in it (or that it failed)
+    combine    when every gateway has reported, or at the deadline: the sums of the
+               gateways that completed, added mod 2^bits, are decoded once by the plan's
+               mechanism as one sum of all their survivors, and the server optimizer
+               applies it; the new model, signed by the site, is retained on
+               fedge/<site>/site/model; each gateway adopts it and republishes it, signed
+               by itself, as its devices' retained model
+
+A gateway that does not report (its broker or process died, its round failed) costs its
+own cohort for that round and nothing else: the site combines the others. Fewer than
+``SitePolicy.min_gateways`` sums: the site round fails and the model stays.
+
+Why the sums add up to a flat round's: every gateway's plan is the site's template (the
+same mechanism parameters, ring bits and vector length, from one ``RoundPolicy`` whose
+``sum_cohort`` sizes the grid and ring for the site's total cohort, and the site's round
+seed for the coordinate set), so the survivors' ring values are exactly those they would
+upload in one flat round with the union of the cohorts, and the sum mod 2^bits of the
+gateways' sums is that round's sum. ``tests/test_hierarchy.py`` checks the final model
+bit for bit against a flat single-gateway run with the same seeds and cohorts.
+
+Privacy, for every party that sees a sum:
+
+* a **gateway** sees its cohort's sum, as the one aggregator of a flat round does: each
+  device's plan states the noise for this gateway's cohort alone (device-dp: sigma on its
+  ``min_survivors - max_colluders`` honest members, ``round_core._device_dp``), and the
+  device checks and accounts it (``edge_sdk.round``), so the device-level guarantee holds
+  against the gateway under the flat round's assumptions (semi-honest, fewer than
+  ``threshold`` colluders);
+* the **site** sees each gateway's sum separately (never less aggregated than a gateway's
+  view), so it learns nothing a gateway does not: the same guarantee, with the gateway
+  not trusted more than the site. The site's combined sum carries every gateway's noise,
+  more than one cohort needs; that surplus is not claimed (no theorem here counts noise
+  across gateways' sums when each is seen on its own);
+* the **model** each device receives is post-processing of those sums.
+
+A gateway's cohort noise is thus not shared across gateways: the price of not trusting a
+gateway more than the site is G times the noise in the site's sum.
+
+Not here yet (issue 19's other parts): the site's state is not checkpointed (a site restart
+starts from model 0), and adaptive clipping (which moves S from the sum) is refused in a
+hierarchy, because each gateway would move its own S.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from aggregator.optimizers import OPTIMIZERS
+from aggregator.round_core import (
+    RoundPolicy,
+    finish,
+    mechanism_params,
+    round_secrets,
+    server_half,
+)
+from edge_sdk import wire
+from edge_sdk.errors import RemoteProtocolError, ReplayedMessage
+from edge_sdk.secagg import AggregatorIdentity
+from edge_sdk.wire import GatewaySum, ModelUpdate, Publish, RoundPlan, SiteRound
+
+__all__ = [
+    "HIERARCHY_MECHANISMS",
+    "GatewayReported",
+    "SiteMachine",
+    "SiteOutcome",
+    "SitePolicy",
+    "SiteRejected",
+    "SiteRoundEnded",
+    "SiteRoundStarted",
+    "Upstream",
+    "check_gateway_policy",
+    "combine",
+]
+
+logger = logging.getLogger("fedge.site")
+
+HIERARCHY_MECHANISMS = ("gaussian", "device-dp")
+"""The mechanisms whose plans size their ring by ``RoundPolicy.sum_cohort`` (so gateways'
+sums can be added) and whose noise is per gateway cohort."""
+_EVENTS = 4096
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Upstream:
+    """A gateway's link to its site (``RoundMachine(upstream=...)``).
+
+    Attributes:
+        site: the site's name (its topics ``fedge/<site>/site/...``).
+        gateway: this gateway's name at the site (its ``GatewaySum`` sender).
+        site_key: the site's Ed25519 public key (32 bytes): it verifies the site's round
+            announcements and models.
+    """
+
+    site: str
+    gateway: str
+    site_key: bytes
+
+    def __post_init__(self) -> None:
+        wire.check_name("site", self.site)
+        wire.check_name("gateway", self.gateway)
+        if not isinstance(self.site_key, bytes) or len(self.site_key) != 32:
+            raise ValueError("site_key must be a 32-byte Ed25519 public key")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SitePolicy:
+    """How the site runs rounds.
+
+    Attributes:
+        site: the site's name (topics ``fedge/<site>/...``).
+        round_timeout: seconds the site waits for the gateways' sums after announcing a
+            round (then it combines those that came).
+        min_gateways: the fewest completed gateway sums a site round applies (>= 1).
+    """
+
+    site: str
+    round_timeout: float = 300.0
+    min_gateways: int = 1
+
+    def __post_init__(self) -> None:
+        wire.check_name("site", self.site)
+        if not (math.isfinite(self.round_timeout) and self.round_timeout > 0):
+            raise ValueError(f"round_timeout must be finite and > 0, got {self.round_timeout!r}")
+        if isinstance(self.min_gateways, bool) or not (
+                isinstance(self.min_gateways, int) and self.min_gateways >= 1):
+            raise ValueError(f"min_gateways must be an integer >= 1, got {self.min_gateways!r}")
+
+
+def check_gateway_policy(policy: RoundPolicy) -> None:
+    """Raise ValueError unless gateways of a site can run rounds under ``policy``: a
+    mechanism of :data:`HIERARCHY_MECHANISMS`, full cohorts only (every gateway's plan
+    is then the site's template), no adaptive clipping (each gateway would move its own
+    S)."""
+    if policy.mechanism not in HIERARCHY_MECHANISMS:
+        raise ValueError(f"a site's gateways run mechanism one of {list(HIERARCHY_MECHANISMS)}"
+                         f", got {policy.mechanism!r}")
+    if policy.min_cohort not in (None, policy.cohort_size):
+        raise ValueError(f"a site's gateways run full cohorts (min_cohort None or "
+                         f"cohort_size={policy.cohort_size}), got {policy.min_cohort!r}")
+    if policy.adaptive_clip_quantile is not None:
+        raise ValueError("adaptive clipping is not supported across gateways (each would "
+                         "move its own S); set adaptive_clip_quantile None")
+
+
+def gateway_sum(plan: RoundPlan, *, gateway: str, total: np.ndarray | None,
+                survivors: int, detail: str = "") -> GatewaySum:
+    """The (unsigned) report of a gateway's round of ``plan``: its ring ``total`` of
+    ``survivors`` uploads, or (survivors 0, total None) a failure and why."""
+    arr = None
+    if total is not None:
+        dtype = np.uint64 if plan.bits > 32 else np.uint32 if plan.bits > 16 else np.uint16
+        arr = wire.WireArray.of(np.asarray(total, dtype=np.uint64).astype(dtype))
+    return GatewaySum(round_id=plan.round_id, sender=gateway,
+                      model_version=plan.model_version, mechanism=plan.mechanism,
+                      params=plan.params, round_seed=plan.round_seed, bits=plan.bits,
+                      length=plan.length, cohort=plan.cohort, survivors=survivors,
+                      total=arr, detail=detail[:256])
+
+
+def combine(sums: Sequence[GatewaySum], *, round_id: int) -> tuple[RoundPlan, np.ndarray, int]:
+    """(A plan for the union of the gateways' cohorts, the sum mod 2^bits of their totals,
+    the survivors in it) from completed gateway sums that agree on the template.
+
+    The plan is for decoding only (never sent or signed): the union cohort (sorted),
+    the shared mechanism, params, seed, bits and length; its SecAgg fields are
+    placeholders nothing reads.
+
+    Raises:
+        ValueError: no sum, a failed one, sums that disagree on the template, or cohorts
+            that overlap.
+    """
+    if not sums:
+        raise ValueError("combine needs at least one completed gateway sum")
+    first = sums[0]
+    key = _template_key(first)
+    members: set[str] = set()
+    bits = first.bits
+    mask = np.uint64((1 << bits) - 1) if bits < 64 else None
+    total = np.zeros(first.length, dtype=np.uint64)
+    survivors = 0
+    for s in sums:
+        if s.total is None or s.survivors < 1:
+            raise ValueError(f"gateway {s.sender!r}'s round failed; only completed sums "
+                             "combine")
+        if _template_key(s) != key:
+            raise ValueError(f"gateway {s.sender!r}'s plan differs from {first.sender!r}'s")
+        overlap = members & set(s.cohort)
+        if overlap:
+            raise ValueError(f"gateway {s.sender!r}'s cohort overlaps another's: "
+                             f"{sorted(overlap)[:3]}")
+        members |= set(s.cohort)
+        total += s.total.to_numpy().astype(np.uint64)  # uint64 wraps mod 2^64
+        if mask is not None:
+            total &= mask
+        survivors += s.survivors
+    cohort = tuple(sorted(members))
+    plan = RoundPlan(round_id=round_id, model_version=first.model_version, cohort=cohort,
+                     mechanism=first.mechanism, params=first.params,
+                     round_seed=first.round_seed, bits=bits, length=first.length,
+                     nonce=bytes(32), degree=2, threshold=1, min_survivors=1,
+                     max_colluders=0, stage_timeout=1.0)
+    return plan, total, survivors
+
+
+def _template_key(s: GatewaySum) -> tuple[Any, ...]:
+    return (s.model_version, s.mechanism, s.params, s.round_seed, s.bits, s.length)
+
+
+# ---------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True, slots=True)
+class SiteOutcome:
+    """How a site round ended: ``completed`` (a model was made from ``gateways``' sums),
+    the gateways that reported a completed sum, those missing or failed (with why), the
+    survivors and ring ``total`` of the combination, and the model version after it."""
+
+    round_id: int
+    completed: bool
+    gateways: tuple[str, ...]
+    missing: Mapping[str, str]
+    survivors: int
+    total: np.ndarray | None
+    model_version: int
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SiteRoundStarted:
+    round_id: int
+    model_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayReported:
+    round_id: int
+    gateway: str
+    survivors: int
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class SiteRoundEnded:
+    outcome: SiteOutcome
+
+
+@dataclass(frozen=True, slots=True)
+class SiteRejected:
+    topic: str
+    gateway: str | None
+    reason: str
+
+
+SiteEvent = SiteRoundStarted | GatewayReported | SiteRoundEnded | SiteRejected
+
+
+@dataclass(slots=True)
+class _SiteRound:
+    announce: SiteRound
+    deadline: float
+    sums: dict[str, GatewaySum] = field(default_factory=dict)
+
+
+class SiteMachine:
+    """The site's rounds over its gateways (module docstring).
+
+    Args:
+        policy: the site's settings.
+        round_policy: the gateways' round policy (one file for all): the template every
+            gateway's plan must match (``check_gateway_policy``), the server optimizer and
+            ``max_rounds``.
+        identity: the site's signing key (gateways hold its public key).
+        gateways: gateway name -> its Ed25519 public key (32 bytes).
+        params: the initial global model (version 0), graph order.
+        random_bytes: the rounds' seeds (``os.urandom``; seeded in simulations: the same
+            draws, in the same order, as a flat ``RoundMachine``'s, so both have the same
+            round seeds).
+        start_gate: called before a round is announced; it waits while this returns False
+            (a simulator starts rounds only once every gateway is ready).
+    """
+
+    def __init__(self, *, policy: SitePolicy, round_policy: RoundPolicy,
+                 identity: AggregatorIdentity, gateways: Mapping[str, bytes],
+                 params: Sequence[np.ndarray],
+                 random_bytes: Callable[[int], bytes] = os.urandom,
+                 start_gate: Callable[[], bool] | None = None) -> None:
+        check_gateway_policy(round_policy)
+        if not gateways:
+            raise ValueError("a site needs at least one gateway")
+        for name, key in gateways.items():
+            wire.check_name("gateway", name)
+            if not isinstance(key, bytes) or len(key) != 32:
+                raise ValueError(f"gateway {name!r}: the public key must be 32 bytes of "
+                                 f"Ed25519, got {key!r:.80}")
+        if policy.min_gateways > len(gateways):
+            raise ValueError(f"min_gateways {policy.min_gateways} exceeds the "
+                             f"{len(gateways)} gateways")
+        self.policy = policy
+        self.round_policy = round_policy
+        self._idn = identity
+        self._gateways = dict(gateways)
+        self._random = random_bytes
+        self._start_gate = start_gate
+        self._opt = OPTIMIZERS[round_policy.server_opt](server_lr=round_policy.server_lr)
+        self._params = [np.array(p, dtype=np.float32) for p in params]
+        if not all(np.isfinite(p).all() for p in self._params):
+            raise ValueError("initial params must be finite")
+        self._opt_state = self._opt.init(self._params)
+        self._dim = sum(p.size for p in self._params)
+        self._template = mechanism_params(round_policy, dim=self._dim)
+        self._version = 0
+        self._model_round = 0
+        self._model_msg = self._sign_model()
+        self._last_round = 0
+        self._round: _SiteRound | None = None
+        self._history: list[SiteOutcome] = []
+        self._events: deque[SiteEvent] = deque(maxlen=_EVENTS)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def params(self) -> list[np.ndarray]:
+        return [p.copy() for p in self._params]
+
+    @property
+    def model_version(self) -> int:
+        return self._version
+
+    @property
+    def history(self) -> tuple[SiteOutcome, ...]:
+        return tuple(self._history)
+
+    @property
+    def open_round(self) -> int | None:
+        return None if self._round is None else self._round.announce.round_id
+
+    @property
+    def waiting_for(self) -> frozenset[str]:
+        """Gateways the open round still waits for."""
+        r = self._round
+        return frozenset() if r is None else frozenset(self._gateways) - r.sums.keys()
+
+    @property
+    def deadline(self) -> float | None:
+        return None if self._round is None else self._round.deadline
+
+    def take_events(self) -> list[SiteEvent]:
+        out = list(self._events)
+        self._events.clear()
+        return out
+
+    # ------------------------------------------------------------------ endpoint
+
+    def subscriptions(self) -> list[str]:
+        return [f"{wire.fleet_topic(self.policy.site)}/gw/+/up/+"]
+
+    def on_connect(self, now: float) -> list[Publish]:
+        out = [self._model_publish()]
+        if self._round is not None:
+            out.append(self._announce_publish(self._round.announce))
+        return out + self._maybe_start(now)
+
+    def on_tick(self, now: float) -> list[Publish]:
+        r = self._round
+        if r is not None and now >= r.deadline:
+            return self._close(now, why="deadline")
+        return self._maybe_start(now)
+
+    def on_message(self, topic: str, payload: bytes, now: float) -> list[Publish]:
+        """One gateway message. Never raises: a bad one is logged and changes nothing."""
+        gw = _topic_gateway(topic, self.policy.site)
+        try:
+            return self._handle(gw, topic, payload, now)
+        except (RemoteProtocolError, ReplayedMessage) as e:
+            self._events.append(SiteRejected(topic=topic, gateway=gw, reason=str(e)))
+            logger.warning("site %s rejected a message on %s: %s", self.policy.site, topic, e)
+        return []
+
+    # ------------------------------------------------------------------ inbound
+
+    def _handle(self, gw: str | None, topic: str, payload: bytes, now: float
+                ) -> list[Publish]:
+        if gw is None:
+            raise RemoteProtocolError(f"not a gateway uplink of site {self.policy.site!r}")
+        key = self._gateways.get(gw)
+        if key is None:
+            raise RemoteProtocolError(f"message from unknown gateway {gw!r}")
+        msg = wire.decode(payload, wire.SITE_KINDS)
+        if not isinstance(msg, GatewaySum) or not topic.endswith("/" + msg.KIND):
+            raise RemoteProtocolError(f"a {msg.KIND} message on {topic!r}")
+        if msg.sender != gw:
+            raise RemoteProtocolError(f"gateway_sum names {msg.sender!r} but came on "
+                                      f"{gw!r}'s topic")
+        wire.verify(msg, key)
+        r = self._round
+        if r is None or msg.round_id != r.announce.round_id:
+            raise RemoteProtocolError(f"gateway_sum for round {msg.round_id}, the open "
+                                      f"round is {None if r is None else r.announce.round_id}")
+        if gw in r.sums:
+            raise ReplayedMessage(f"gateway {gw!r} already reported round {msg.round_id}")
+        if msg.survivors:
+            self._check_template(msg, r.announce)
+        r.sums[gw] = msg
+        self._events.append(GatewayReported(round_id=msg.round_id, gateway=gw,
+                                            survivors=msg.survivors, detail=msg.detail))
+        logger.info("site round %d: gateway %s reported %d survivors%s", msg.round_id, gw,
+                    msg.survivors, f" ({msg.detail})" if msg.detail else "")
+        if not self.waiting_for:
+            return self._close(now, why="all gateways reported")
+        return []
+
+    def _check_template(self, msg: GatewaySum, announce: SiteRound) -> None:
+        params, length, bits = self._template
+        if msg.model_version != announce.model_version or msg.round_seed != announce.round_seed:
+            raise RemoteProtocolError(f"gateway {msg.sender!r} ran round {msg.round_id} from "
+                                      "another model or seed than the site announced")
+        if (msg.mechanism, msg.params, msg.length, msg.bits) != (
+                self.round_policy.mechanism, params, length, bits):
+            raise RemoteProtocolError(f"gateway {msg.sender!r}'s plan is not the site's "
+                                      "template (another policy or cohort size?)")
+        r = self._round
+        others = set() if r is None else {d for s in r.sums.values() for d in s.cohort}
+        if others & set(msg.cohort):
+            raise RemoteProtocolError(f"gateway {msg.sender!r}'s cohort names devices "
+                                      "another gateway already summed")
+
+    # ------------------------------------------------------------------ rounds
+
+    def _maybe_start(self, now: float) -> list[Publish]:
+        if self._round is not None:
+            return []
+        mr = self.round_policy.max_rounds
+        if mr is not None and self._last_round >= mr:
+            return []
+        if self._start_gate is not None and not self._start_gate():
+            return []
+        round_id = self._last_round + 1
+        round_seed, _ = round_secrets(self._random)  # a flat RoundMachine's draws, in order
+        announce = wire.sign(SiteRound(round_id=round_id, model_version=self._version,
+                                       round_seed=round_seed,
+                                       deadline_s=float(self.policy.round_timeout)), self._idn)
+        self._round = _SiteRound(announce=announce, deadline=now + self.policy.round_timeout)
+        self._last_round = round_id
+        self._events.append(SiteRoundStarted(round_id=round_id, model_version=self._version))
+        logger.info("site round %d announced (model version %d)", round_id, self._version)
+        return [self._announce_publish(announce)]
+
+    def _close(self, now: float, *, why: str) -> list[Publish]:
+        r = self._round
+        assert r is not None
+        rid = r.announce.round_id
+        done = [s for _, s in sorted(r.sums.items()) if s.survivors > 0]
+        missing = {g: (r.sums[g].detail or "failed") if g in r.sums else f"no sum by the {why}"
+                   for g in sorted(self._gateways) if g not in {s.sender for s in done}}
+        self._round = None
+        if len(done) < self.policy.min_gateways:
+            detail = (f"{len(done)} gateway sums by the {why}, below min_gateways "
+                      f"{self.policy.min_gateways}")
+            return self._end(SiteOutcome(round_id=rid, completed=False, gateways=(),
+                                         missing=missing, survivors=0, total=None,
+                                         model_version=self._version, detail=detail), now)
+        plan, total, survivors = combine(done, round_id=rid)
+        out = finish(plan, total, survivors, params=self._params,
+                     server=server_half(plan, dim=self._dim), optimizer=self._opt,
+                     opt_state=self._opt_state)
+        self._params, self._opt_state = out.params, out.opt_state
+        self._version += 1
+        self._model_round = rid
+        self._model_msg = self._sign_model()
+        return [self._model_publish()] + self._end(SiteOutcome(
+            round_id=rid, completed=True, gateways=tuple(s.sender for s in done),
+            missing=missing, survivors=survivors, total=total, model_version=self._version),
+            now)
+
+    def _end(self, outcome: SiteOutcome, now: float) -> list[Publish]:
+        self._history.append(outcome)
+        self._events.append(SiteRoundEnded(outcome=outcome))
+        logger.info("site round %d %s: gateways %s, %d survivors, model version %d%s",
+                    outcome.round_id, "done" if outcome.completed else "FAILED",
+                    list(outcome.gateways), outcome.survivors, outcome.model_version,
+                    f" ({outcome.detail})" if outcome.detail else "")
+        return self._maybe_start(now)
+
+    # ------------------------------------------------------------------ publishes
+
+    def _sign_model(self) -> bytes:
+        return wire.encode(wire.sign(ModelUpdate.of(version=self._version,
+                                                    round_id=self._model_round,
+                                                    params=self._params), self._idn))
+
+    def _model_publish(self) -> Publish:
+        return Publish(wire.site_model_topic(self.policy.site), self._model_msg, retain=True)
+
+    def _announce_publish(self, announce: SiteRound) -> Publish:
+        return Publish(wire.site_round_topic(self.policy.site), wire.encode(announce),
+                       retain=True)
+
+
+def _topic_gateway(topic: str, site: str) -> str | None:
+    parts = topic.split("/")
+    if (len(parts) == 6 and parts[0] == "fedge" and parts[1] == site and parts[2] == "gw"
+            and parts[4] == "up"):
+        return parts[3]
+    return None
