@@ -92,6 +92,7 @@ __all__ = [
     "Upstream",
     "check_gateway_policy",
     "combine",
+    "gateway_sum",
 ]
 
 logger = logging.getLogger("fedge.site")
