@@ -38,6 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType, TracebackType
+from typing import Any
 
 from edge_sdk import wire
 
@@ -186,8 +187,10 @@ def _write_private(path: Path, data: bytes | str) -> None:
         f.write(raw)
 
 
-def _tls_material(directory: Path, host: str) -> tuple[Path, Path, Path]:
-    """Self-signed CA + server certificate for ``host``, 127.0.0.1 and localhost (P-256)."""
+def _tls_material(directory: Path, host: str, extra_hosts: tuple[str, ...] = ()
+                  ) -> tuple[Path, Path, Path]:
+    """Self-signed CA + server certificate for ``host`` (and ``extra_hosts``), 127.0.0.1
+    and localhost (P-256)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -215,13 +218,14 @@ def _tls_material(directory: Path, host: str) -> tuple[Path, Path, Path]:
     server_key = ec.generate_private_key(ec.SECP256R1())
     alt: list[x509.GeneralName] = [x509.DNSName("localhost"),
                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    try:
-        ip = ipaddress.ip_address(host)
-        if str(ip) != "127.0.0.1":
-            alt.append(x509.IPAddress(ip))
-    except ValueError:
-        if host != "localhost":
-            alt.append(x509.DNSName(host))
+    for h in (host, *extra_hosts):
+        try:
+            ip = ipaddress.ip_address(h)
+            if str(ip) != "127.0.0.1":
+                alt.append(x509.IPAddress(ip))
+        except ValueError:
+            if h != "localhost":
+                alt.append(x509.DNSName(h))
     server_cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)]))
@@ -264,6 +268,10 @@ def write_broker_config(
     max_packet_size: int = MAX_PACKET_SIZE,
     flood_headroom: int = FLOOD_HEADROOM,
     max_queued_bytes: int = 0,
+    extra_hosts: Sequence[str] = (),
+    acl: str | None = None,
+    extra_acl: str = "",
+    extra_conf: str = "",
 ) -> BrokerConfig:
     """Write a locked-down mosquitto 2.x configuration for one fleet into ``directory``.
 
@@ -291,6 +299,11 @@ def write_broker_config(
             aggregator's flood guard already charges messages by size (1 token per started
             MiB), which bounds what one device can make the broker queue; set it where the
             broker's memory is scarcer than the fleet's uploads are large.
+        extra_hosts: more addresses to listen on (the same port and TLS; the certificate
+            names them all): a site broker reached by gateways over other interfaces.
+        acl: the whole ACL file instead of the fleet's (``acl_text``): a site broker's.
+        extra_acl: lines appended to the ACL (a gateway aggregator's site topics).
+        extra_conf: lines appended to mosquitto.conf (a gateway broker's bridge).
 
     Returns:
         The paths, port, credentials and CA path (also saved in ``credentials.json``).
@@ -330,14 +343,18 @@ def write_broker_config(
     _write_private(password_file,
                    "".join(f"{n}:{hash_password(p)}\n" for n, p in passwords.items()))
     acl_file = directory / "acl"
-    acl_file.write_text(acl_text(fleet, devices, aggregator))
+    acl_file.write_text((acl_text(fleet, devices, aggregator) if acl is None else acl)
+                        + (f"\n{extra_acl}\n" if extra_acl else ""))
     log_file = directory / "mosquitto.log"
     tls_lines: list[str] = []
     ca_file: Path | None = None
     if tls:
-        ca_file, cert_file, key_file = _tls_material(directory, host)
+        ca_file, cert_file, key_file = _tls_material(directory, host, tuple(extra_hosts))
         tls_lines = [f"cafile {ca_file.resolve()}", f"certfile {cert_file.resolve()}",
                      f"keyfile {key_file.resolve()}", "require_certificate false"]
+    listeners: list[str] = []
+    for h in (host, *extra_hosts):  # each listener block carries its own TLS settings
+        listeners += [f"listener {port} {h}", *tls_lines]
     # mosquitto started as root drops to user "mosquitto" before it reads the password file
     # and key; naming the current user keeps the files private to whoever wrote them.
     user = getpass.getuser()
@@ -346,8 +363,7 @@ def write_broker_config(
         f"# fleet {fleet}: {len(devices)} devices + aggregator {aggregator!r}",
         f"user {user}",
         "per_listener_settings false",
-        f"listener {port} {host}",
-        *tls_lines,
+        *listeners,
         "allow_anonymous false",
         f"password_file {password_file.resolve()}",
         f"acl_file {acl_file.resolve()}",
@@ -375,6 +391,7 @@ def write_broker_config(
         "log_type notice",
         "connection_messages true",
         "",
+        *([extra_conf] if extra_conf else []),
     ]
     config_file = directory / "mosquitto.conf"
     config_file.write_text("\n".join(conf))
@@ -454,7 +471,8 @@ class Broker:
     def __init__(self, *, devices: Sequence[str], fleet: str = "test",
                  aggregator: str = "aggregator", tls: bool = True,
                  directory: str | os.PathLike[str] | None = None, keep: bool = False,
-                 start_timeout_s: float = 10.0, **config_kwargs: int) -> None:
+                 start_timeout_s: float = 10.0, port: int | None = None,
+                 **config_kwargs: Any) -> None:
         self._exe = _mosquitto()
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if directory is None:
@@ -463,8 +481,9 @@ class Broker:
         self._keep = keep
         self._start_timeout_s = start_timeout_s
         self.config = write_broker_config(
-            directory, devices=devices, fleet=fleet, port=free_port(), aggregator=aggregator,
-            tls=tls, **config_kwargs)
+            directory, devices=devices, fleet=fleet,
+            port=free_port(config_kwargs.get("host", "127.0.0.1")) if port is None else port,
+            aggregator=aggregator, tls=tls, **config_kwargs)
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -515,6 +534,17 @@ class Broker:
         finally:
             if proc.stderr:
                 proc.stderr.close()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash or power loss: nothing is saved (persistence keeps only its
+        last autosave)."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.kill()
+        proc.wait()
+        if proc.stderr:
+            proc.stderr.close()
 
     def restart(self) -> None:
         """Stop and start again: same port, same config, same persisted sessions."""

@@ -316,6 +316,20 @@ class _RoundRecord:
     meter_before: dict[str, int]
 
 
+def aggregator_identity(seed: int, gateway: str | None = None) -> secagg.AggregatorIdentity:
+    """The simulated fleet's aggregator key (seeded: simulation only), or gateway
+    ``gateway``'s in a site (``tools.hierarchy``; the site knows its gateways' keys as a
+    deployment's enrollment would tell it)."""
+    label = "" if gateway is None else f"/gateway/{gateway}"
+    return secagg.AggregatorIdentity.generate(
+        random_bytes=seeded_bytes(f"fedge-fleet/{seed}/aggregator-id{label}"))
+
+
+def initial_params(cfg: SimConfig, spec: ModelSpec) -> list[np.ndarray]:
+    """The fleet's model version 0 (``init_params`` with the fleet's second seed)."""
+    return init_params(spec, np.random.default_rng(np.random.SeedSequence(cfg.seed).spawn(3)[1]))
+
+
 def shard_indices(cfg: SimConfig, data: Dataset) -> list[np.ndarray]:
     """Each device's training-set indices (``tools.partition`` with the fleet's first
     seed), in ``device_names`` order: what every simulated fleet of ``cfg`` holds."""
@@ -360,7 +374,6 @@ class Fleet:
                 manifest_path(spec.name, spec.input_shape, spec.num_classes),
                 backend=cfg.backend, threads=cfg.threads)
         self.spec, self.engine = engine
-        init_rng = np.random.default_rng(np.random.SeedSequence(cfg.seed).spawn(3)[1])
         everyone = device_names(cfg.devices)
         self.index = {n: i for i, n in enumerate(everyone)}
         self.names = everyone if members is None else [everyone[i] for i in members]
@@ -370,15 +383,15 @@ class Fleet:
         self.shards = {n: (self.data.x_train[shards[self.index[n]]],
                            self.data.y_train[shards[self.index[n]]]) for n in self.names}
         label = "" if upstream is None else f"/gateway/{upstream.gateway}"
-        self.agg_id = secagg.AggregatorIdentity.generate(
-            random_bytes=seeded_bytes(f"fedge-fleet/{cfg.seed}/aggregator-id{label}"))
+        self.agg_id = aggregator_identity(cfg.seed, None if upstream is None
+                                          else upstream.gateway)
         self.ids = {n: secagg.DeviceIdentity.generate(n, random_bytes=seeded_bytes(
             f"fedge-fleet/{cfg.seed}/id/{n}")) for n in self.names}
         self.registry = secagg.Registry.of(self.agg_id, list(self.ids.values()))
         self.budget = Budget(epsilon=(FLEET_BUDGET_EPSILON if cfg.budget_epsilon is None
                                       else cfg.budget_epsilon), delta=cfg.delta)
         self.policy = round_policy(cfg, sizes) if policy is None else policy
-        self.initial = init_params(self.spec, init_rng)
+        self.initial = initial_params(cfg, self.spec)
         (self.workdir / "ledgers").mkdir(parents=True, exist_ok=True)
         self.store = CheckpointStore(self.workdir / "aggregator.ckpt")
         self.machine = RoundMachine(
@@ -406,6 +419,7 @@ class Fleet:
         self._ended: list[RoundOutcome] = []  # rounds that ended, not yet recorded
         self._last_end: float | None = None  # when the last round was recorded
         self.broker_config: Any = None  # the MQTT run's broker (for measurements)
+        self.broker: Any = None  # the MQTT run's tools.broker.Broker, while it runs
         self.rows: list[dict[str, Any]] = []
         self.eps_local = 0.0
         self.eps_aggregate = 0.0
@@ -527,12 +541,20 @@ class Fleet:
 
     # -- running -----------------------------------------------------------------------
 
-    def run(self) -> dict[str, Any]:
-        """Run ``cfg.rounds`` rounds over ``cfg.transport``; return the summary."""
+    def run(self, *, broker_options: Mapping[str, Any] | None = None,
+            until: Callable[[], bool] | None = None, patience: float | None = None
+            ) -> dict[str, Any]:
+        """Run ``cfg.rounds`` rounds over ``cfg.transport``; return the summary.
+
+        MQTT only: ``broker_options`` go to ``tools.broker.Broker`` (a gateway's bridge
+        and listeners, ``tools.hierarchy``); ``until``: stop when it returns True instead
+        of after ``cfg.rounds`` rounds (a gateway runs until its site is done), giving up
+        after ``patience`` seconds without a round ending (default from the stage
+        timeout)."""
         self._t_run = time.perf_counter()
         note = ""
         if self.cfg.transport == "mqtt":
-            note = self._run_mqtt()
+            note = self._run_mqtt(broker_options or {}, until, patience)
         else:
             note = self._run_inproc()
         return self._summary(time.perf_counter() - self._t_run, note)
@@ -568,13 +590,19 @@ class Fleet:
                 quiet = 0
                 now += _TICK_S
 
-    def _run_mqtt(self) -> str:
+    def _run_mqtt(self, broker_options: Mapping[str, Any],
+                  until: Callable[[], bool] | None, patience: float | None) -> str:
         from edge_sdk.mqtt import BrokerAddress, ClientConfig, MqttLoop
         from tools.broker import Broker
 
         cfg = self.cfg
+        def done() -> bool:  # observe() records ended rounds and revives devices: always call
+            finished = self.observe()
+            return finished if until is None else until()
+
         with Broker(devices=self.names, fleet=FLEET_NAME, aggregator=AGGREGATOR,
-                    directory=self.workdir / "broker") as broker:
+                    directory=self.workdir / "broker", **broker_options) as broker:
+            self.broker = broker
             bc = broker.config
             self.broker_config = bc  # for measurements against the same broker (bench)
             address = BrokerAddress(host=bc.host, port=bc.port,
@@ -592,17 +620,18 @@ class Fleet:
                                           backoff_initial_s=0.05, backoff_max_s=1.0),
                              self.agents[n])
                 # a round never waits longer than its stages' deadlines; past that it stalled
-                patience = 5 * cfg.stage_timeout + 60.0
+                if patience is None:
+                    patience = 5 * cfg.stage_timeout + 60.0
                 while True:
                     seen = len(self.outcomes)
-                    done = loop.run(until=lambda s=seen: self.observe() or len(self.outcomes) > s
-                                    or self._out_of_budget() is not None, timeout=patience)
-                    if self.observe():
+                    ok = loop.run(until=lambda s=seen: done() or len(self.outcomes) > s
+                                  or self._out_of_budget() is not None, timeout=patience)
+                    if done():
                         return ""
                     why = self._out_of_budget()
                     if why:
                         return why
-                    if not done:
+                    if not ok:
                         return (f"stalled after {len(self.outcomes)} rounds: nothing ended "
                                 f"for {patience:.0f} s")
 

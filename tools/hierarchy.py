@@ -46,7 +46,7 @@ from edge_sdk.engine import load_engine
 from edge_sdk.model import build_spec
 from edge_sdk.wire import Publish
 from models import manifest_path
-from tools.datasets import load_dataset
+from tools.datasets import Dataset, load_dataset
 from tools.dropouts import DropoutSchedule
 from tools.evaluate import evaluate
 from tools.fleet import Fleet, shard_indices
@@ -55,8 +55,9 @@ from tools.seeding import round_random_bytes, seeded_bytes
 from tools.simconfig import SimConfig, round_policy
 from tools.summary import model_sha256
 
-__all__ = ["Hierarchy", "MemoryBridge", "SITE_NAME", "StratifiedDropouts",
-           "gateway_names", "stratified_select"]
+__all__ = ["Hierarchy", "MemoryBridge", "SITE", "SiteAgent", "SITE_NAME", "StratifiedDropouts",
+           "gateway_names", "gateway_policy", "groups", "site_identity",
+           "stratified_select"]
 
 SITE_NAME = "site"
 SITE = "site-aggregator"
@@ -68,7 +69,7 @@ def gateway_names(n: int) -> list[str]:
     return [f"gw-{g}" for g in range(n)]
 
 
-def _groups(devices: int, gateways: int) -> list[list[int]]:
+def groups(devices: int, gateways: int) -> list[list[int]]:
     """Contiguous device indices per gateway (sizes differ by at most one)."""
     if gateways < 1 or devices < gateways:
         raise ValueError(f"need 1 <= gateways <= devices, got {gateways} gateways for "
@@ -115,6 +116,21 @@ class StratifiedDropouts:
         return out
 
 
+def site_identity(seed: int) -> secagg.AggregatorIdentity:
+    """The simulated site's signing key (seeded: simulation only)."""
+    return secagg.AggregatorIdentity.generate(
+        random_bytes=seeded_bytes(f"fedge-fleet/{seed}/site-id"))
+
+
+def gateway_policy(cfg: SimConfig, data: Dataset, gateways: int) -> RoundPolicy:
+    """The gateways' round policy, one for all and the site's template: each gateway's
+    cohort ``cfg.participation`` of its devices, the grid and ring sized for the site's
+    total cohort (``RoundPolicy.sum_cohort``)."""
+    sizes = [len(i) for i in shard_indices(cfg, data)]
+    n = max(3, round(cfg.participation * min(len(g) for g in groups(cfg.devices, gateways))))
+    return dataclasses.replace(round_policy(cfg, sizes), cohort_size=n, sum_cohort=gateways * n)
+
+
 class MemoryBridge:
     """What a mosquitto bridge between a gateway's broker and the site's forwards, in
     memory: the gateway's uplink (``fedge/<site>/gw/<gw>/up/#``, out) and the site's
@@ -156,7 +172,7 @@ class MemoryBridge:
         self.outward, self.inward = _Out(), _In()
 
 
-class _SiteAgent:
+class SiteAgent:
     """The site endpoint: the machine, its events collected."""
 
     def __init__(self, machine: SiteMachine) -> None:
@@ -209,16 +225,10 @@ class Hierarchy:
         self.engine = spec, load_engine(manifest_path(spec.name, spec.input_shape,
                                                       spec.num_classes),
                                         backend=cfg.backend, threads=cfg.threads)
-        self.groups = _groups(cfg.devices, gateways)
+        self.groups = groups(cfg.devices, gateways)
         self.names = gateway_names(gateways)
-        self.site_id = secagg.AggregatorIdentity.generate(
-            random_bytes=seeded_bytes(f"fedge-fleet/{cfg.seed}/site-id"))
-        sizes = [len(i) for i in shard_indices(cfg, self.data)]
-        # the gateways' policy, one for all and the site's template: the grid and ring
-        # sized for the site's total cohort (RoundPolicy.sum_cohort)
-        n = max(3, round(cfg.participation * min(len(g) for g in self.groups)))
-        self.policy = dataclasses.replace(round_policy(cfg, sizes), cohort_size=n,
-                                          sum_cohort=gateways * n)
+        self.site_id = site_identity(cfg.seed)
+        self.policy = gateway_policy(cfg, self.data, gateways)
         self.schedules = [DropoutSchedule(cfg.dropout, cfg.seed + g + 1) if cfg.dropout > 0
                           else None for g in range(gateways)]
         self.fleets: list[Fleet] = []
@@ -261,7 +271,7 @@ class Hierarchy:
     def run(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         site_broker = MemoryBroker()
-        agent = _SiteAgent(self.site)
+        agent = SiteAgent(self.site)
         brokers: list[MemoryBroker] = []
         bridges: list[MemoryBridge] = []
         now = 0.0
@@ -299,6 +309,8 @@ class Hierarchy:
                     raise RuntimeError(f"the hierarchy stalled after {len(agent.ended)} "
                                        "site rounds")
                 now += self.policy.stage_timeout
+                if self._down is not None and self.site.deadline is not None:
+                    now = max(now, self.site.deadline)  # only the lost gateway is awaited
             else:
                 quiet = 0
                 now += _TICK_S
@@ -337,7 +349,7 @@ class Hierarchy:
 
         b.drop = drop
 
-    def _revive(self, agent: _SiteAgent, bridges: list[MemoryBridge]) -> None:
+    def _revive(self, agent: SiteAgent, bridges: list[MemoryBridge]) -> None:
         """The killed gateway's broker restarts once its site round has ended: what it
         held in memory is lost, and its bridge brings the site's retained round and model
         again (its machine then fails the stale round and adopts the newer model)."""
