@@ -73,7 +73,9 @@ def cost(size: int) -> int:
 class FloodGuard:
     """One token bucket per device; ``admit`` says whether a message is within the limits.
 
-    Memory is one entry per device ever admitted: callers pass enrolled names only.
+    Memory is one entry per device admitted since its bucket was last full again
+    (:meth:`forget_full` drops full buckets: a fleet of 100,000 that checks in a thousand
+    at a time keeps about a thousand); callers pass enrolled names only.
     """
 
     def __init__(self, limits: FloodLimits) -> None:
@@ -96,6 +98,16 @@ class FloodGuard:
     def reset(self, device: str) -> None:
         """A full bucket again (a quarantine ended)."""
         self._buckets.pop(device, None)
+
+    def forget_full(self, now: float) -> int:
+        """Drop the buckets that have refilled by ``now`` (an absent bucket is a full one,
+        so nothing changes for any device); returns how many were dropped."""
+        lim = self.limits
+        full = [d for d, (tokens, at) in self._buckets.items()
+                if tokens + max(0.0, now - at) * lim.rate >= lim.burst]
+        for d in full:
+            del self._buckets[d]
+        return len(full)
 
 
 _DIGITS = re.compile(r"\d+")

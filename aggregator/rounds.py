@@ -813,6 +813,7 @@ class RoundMachine:
         self._version += 1
         self._model_round = plan.round_id
         self._model_msg = self._sign_model(plan.round_id)
+        self._forget_stale(now)
         self._record(RoundOutcome(round_id=plan.round_id, completed=True, survivors=survivors,
                                   detail="", total=total, model_version=self._version,
                                   uploaded=survivors))
@@ -933,6 +934,15 @@ class RoundMachine:
         self._save()
         return list(outbox)
 
+    def _forget_stale(self, now: float) -> None:
+        """A new model: check-ins on older ones can no longer be selected (eligibility
+        needs the current version; a device checks in again when it has the model), and
+        full flood buckets are as good as none, so both go: the machine's memory follows
+        the devices active since the last model, not every device ever seen (issue 19)."""
+        self._available = {d: c for d, c in self._available.items()
+                           if c.model_version == self._version}
+        self._guard.forget_full(now)
+
     # ------------------------------------------------------------------ site (gateway)
 
     def _forward(self, r: _Round, total: np.ndarray, survivors: tuple[str, ...]
@@ -995,6 +1005,7 @@ class RoundMachine:
         self._model_round = model.round_id
         self._model_msg = self._sign_model(model.round_id)  # devices trust their gateway
         self._site_model = key
+        self._forget_stale(now)
         logger.info("adopted site %s's model version %d (round %d)", up.site, model.version,
                     model.round_id)
         self._save()

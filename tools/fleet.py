@@ -266,13 +266,15 @@ class DeviceAgent:
 
 class AggregatorAgent:
     """The aggregator endpoint around a ``RoundMachine``: counts bytes, drops status
-    messages, jumps its clock to the stage deadline once only vanished devices are
-    awaited (see the module docstring), and hands the machine's events to ``on_event``
-    after each call, before that call's output is counted."""
+    messages (unless ``wills``: a harness that publishes them at fixed points), jumps its
+    clock to the stage deadline once only vanished devices are awaited (see the module
+    docstring), and hands the machine's events to ``on_event`` after each call, before
+    that call's output is counted."""
 
     def __init__(self, machine: RoundMachine, *, gone: set[str], meter: Meter,
-                 on_event: Callable[[Event], None]) -> None:
+                 on_event: Callable[[Event], None], wills: bool = False) -> None:
         self.machine = machine
+        self.wills = wills  # status messages reach the machine (tools.scale: deterministic)
         self.gone_set = gone
         self.meter = meter
         self.offset = 0.0  # simulated seconds added to the transport's clock
@@ -285,7 +287,7 @@ class AggregatorAgent:
         return self._out(self.machine.on_connect(now + self.offset), now)
 
     def on_message(self, topic: str, payload: bytes, now: float) -> list[Publish]:
-        if "/status/" in topic:
+        if "/status/" in topic and not self.wills:
             return []
         return self._out(self.machine.on_message(topic, payload, now + self.offset), now)
 

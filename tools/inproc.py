@@ -47,12 +47,45 @@ class MemoryBroker:
         self.after: Callable[[str], bool] = lambda name: False
         self.sent: list[tuple[str, str, bytes]] = []  # (sender, topic, payload)
         self._routes: dict[str, list[tuple[str, str]]] = {}  # topic -> matching subs
+        self._by_prefix: dict[tuple[str, ...], list[tuple[str, str]]] = {}
+        self._seq: dict[tuple[str, str], int] = {}  # (filter, client) -> subscription order
+        self._next = 0
+
+    def _index(self, pattern: str, name: str, add: bool) -> None:
+        """The filters by their levels before the first wildcard (a topic's candidates are
+        the filters under its own prefixes: a lookup per level, not a scan of every
+        filter, for fleets of thousands of devices, each with its own filters)."""
+        levels = pattern.split("/")
+        cut = next((i for i, lv in enumerate(levels) if lv in ("+", "#")), len(levels))
+        key = tuple(levels[:cut])
+        entries = self._by_prefix.setdefault(key, [])
+        if add:
+            entries.append((pattern, name))
+        else:
+            entries.remove((pattern, name))
+            if not entries:
+                del self._by_prefix[key]
+
+    def _route(self, topic: str) -> list[tuple[str, str]]:
+        route = self._routes.get(topic)
+        if route is None:
+            levels = tuple(topic.split("/"))
+            found = [(f, n) for i in range(len(levels) + 1)
+                     for f, n in self._by_prefix.get(levels[:i], ())
+                     if topic_matches(f, topic)]
+            # in subscription order, as a scan of self.subs would give them
+            route = self._routes[topic] = sorted(found, key=self._seq.__getitem__)
+        return route
 
     def attach(self, name: str, endpoint: Any, now: float) -> None:
         """Connect ``endpoint`` as client ``name``: subscribe, retained messages, on_connect."""
         self.endpoints[name] = endpoint
         filters = endpoint.subscriptions()
         self.subs += [(f, name) for f in filters]
+        for f in filters:
+            self._index(f, name, True)
+            self._seq[(f, name)] = self._next
+            self._next += 1
         self._routes.clear()
         for topic, payload in list(self.retained.items()):
             if any(topic_matches(f, topic) for f in filters):
@@ -63,6 +96,10 @@ class MemoryBroker:
     def detach(self, name: str) -> None:
         """Disconnect client ``name`` (nothing more is delivered to it)."""
         self.endpoints.pop(name, None)
+        for f, n in self.subs:
+            if n == name:
+                self._index(f, n, False)
+                self._seq.pop((f, n), None)
         self.subs = [(f, n) for f, n in self.subs if n != name]
         self._routes.clear()
 
@@ -89,11 +126,7 @@ class MemoryBroker:
         """Deliver until nothing is queued (endpoints' answers included)."""
         while self.queue:
             _, topic, payload = self.queue.popleft()
-            route = self._routes.get(topic)
-            if route is None:
-                route = self._routes[topic] = [(f, n) for f, n in self.subs
-                                               if topic_matches(f, topic)]
-            for _, name in route:
+            for _, name in self._route(topic):
                 if name in self.endpoints:
                     if self.drop(name, topic, payload):
                         continue

@@ -144,6 +144,10 @@ TARGETS += (
                           "4 broker round trips; the devices share one thread)",
            section="round_timeline", where={"devices": 10}, key="wall_over_floor", op="<=",
            bound=1.5),
+    Target(issue=19, what="peak RSS, 100,000 vs 10,000 registered devices at cohort 100 "
+                          "(memory grows with the cohort, not the fleet)",
+           section="scale", where={"registered": 100_000, "cohort": 100},
+           key="rss_vs_small_fleet", op="<=", bound=1.5),
     Target(issue=18, what="logreg (650 parameters), cohort 10: bytes per upload / float32",
            section="small_upload",
            where={"model": "logreg", "cohort": 10, "protocol": "amortized"},
@@ -283,6 +287,11 @@ def _sections(quick: bool) -> list[Section]:
 
         return run_small_upload_bench(out=out)
 
+    def scale(out: TextIO) -> Any:
+        from tools.bench.scale import run_scale_bench
+
+        return run_scale_bench(quick=quick, out=out)
+
     def envelope(out: TextIO) -> Any:
         from tools.bench.envelope import run_envelope_bench
 
@@ -301,6 +310,8 @@ def _sections(quick: bool) -> list[Section]:
         Section("fleet_mqtt", "4. Fleet over MQTT: device-rounds/min and broker bytes", fleet),
         Section("round_timeline", "4b. Where a 10-device SecAgg+ round's time goes over "
                 "mosquitto", round_timeline),
+        Section("scale", "4c. 100,000 registered devices: memory and device-rounds/min "
+                "by cohort", scale),
         Section("wire", "5. Bytes per upload vs float32 FedAvg", wire),
         Section("small_upload", "5b. A small model's bytes per round: SecAgg+ vs the "
                 "amortized protocol", small_upload),
