@@ -193,3 +193,55 @@ def test_gateway_sum_wire_checks() -> None:
     big = wire.WireArray.of(np.array([0, 0, 0, 2**40], np.uint64))
     with pytest.raises(ValueError, match="not below"):
         wire.sign(dataclasses.replace(msg, total=big), gws["gw-a"])
+
+
+def test_each_gateway_sum_carries_the_noise_its_own_cohort_needs(tmp_path) -> None:
+    """Device-level DP through a site: a device's release, as its own ledger records it,
+    is exactly the one it makes in a flat single gateway of the same cohort size (sigma on
+    that cohort's honest members alone), so the guarantee holds against its gateway and
+    against the site (which sees each gateway's sum apart); the site's wider ring
+    (sum_cohort) changes the bits, never the noise."""
+    from tools.fleet import Fleet
+
+    dp = {"mechanism": "device-dp", "update_clip": 1.0, "rounds": 2, "dropout": 0.0}
+    h = Hierarchy(SimConfig(**{**BASE, **dp}), tmp_path / "site", gateways=2)
+    try:
+        site = h.run()
+        events = {e.device_event for f in h.fleets for led in f.ledgers.values()
+                  for e in led.entries() if e.kind == "reserve"}
+        cohorts = {e.cohort_size for f in h.fleets for led in f.ledgers.values()
+                   for e in led.entries() if e.kind == "reserve"}
+    finally:
+        h.close()
+    assert [r["completed"] for r in site["rounds"]] == [True, True]
+    # one gateway on its own: 20 devices, a cohort of 10, the same settings
+    flat = Fleet(SimConfig(**{**BASE, **dp, "devices": 20}), tmp_path / "flat")
+    try:
+        flat.run()
+        want = {e.device_event for led in flat.ledgers.values() for e in led.entries()
+                if e.kind == "reserve"}
+        want_cohorts = {e.cohort_size for led in flat.ledgers.values() for e in led.entries()
+                        if e.kind == "reserve"}
+    finally:
+        flat.close()
+    assert None not in events and len(events) == 1  # one release, the same for everyone
+    assert events == want and cohorts == want_cohorts
+    from aggregator.round_core import mechanism_params
+
+    no_site = dataclasses.replace(h.policy, sum_cohort=None)
+    wide, _, bits = mechanism_params(h.policy, dim=650)
+    narrow, _, narrow_bits = mechanism_params(no_site, dim=650)
+    assert wide.sigma == narrow.sigma and bits >= narrow_bits
+
+
+def test_fedge_site_command_runs_and_checks_the_flat_model(tmp_path, capsys) -> None:
+    from tools.cli import main
+
+    out = tmp_path / "site.json"
+    assert main(["site", "--rounds", "2", "--check-flat", "--json-out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "site round 2: done, gateways gw-0, gw-1" in text and "(the same)" in text
+    import json
+
+    summary = json.loads(out.read_text())
+    assert summary["model_sha256"] == summary["flat_model_sha256"]

@@ -653,6 +653,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tools.doctor import add_doctor_parser
     from tools.ledger_cli import add_ledger_parser
     from tools.privacy_cli import add_privacy_parser
+    from tools.site_cli import add_site_parser, run_site_command
 
     parser = argparse.ArgumentParser(prog="fedge", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -667,11 +668,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_device(sub)
     _add_aggregator(sub)
     add_doctor_parser(sub)
+    add_site_parser(sub)
     args = parser.parse_args(argv)
     commands = {"simulate": _simulate, "export": _export, "bench": _bench, "privacy": _privacy,
                 "ledger": _ledger, "broker": _broker, "experiment": _experiment,
                 "enroll": _enroll, "device": _device, "aggregator": _aggregator,
-                "doctor": _doctor}
+                "doctor": _doctor, "site": run_site_command}
     try:
         return commands[args.command](args)
     except (ValueError, FileNotFoundError) as exc:

@@ -34,6 +34,7 @@ from edge_sdk.wire.schema import Message, signer_of
 __all__ = ["AggregatorIdentity", "DeviceIdentity", "Enrollment", "Registry"]
 
 _KEY_BYTES = 32
+_VERIFIERS = 8192  # verifier objects a Registry keeps (recently heard-from devices)
 
 
 def _raw_public(key: Ed25519PrivateKey | X25519PrivateKey) -> bytes:
@@ -177,7 +178,7 @@ class Registry:
 
     aggregator_key: bytes
     devices: Mapping[str, Enrollment]
-    _verifiers: Mapping[str, Ed25519PublicKey] | None = field(
+    _verifiers: dict[str, Ed25519PublicKey] | None = field(
         init=False, repr=False, compare=False, default=None
     )
     _aggregator_verifier: Ed25519PublicKey | None = field(
@@ -190,14 +191,12 @@ class Registry:
         for name, enr in devices.items():
             if not isinstance(enr, Enrollment) or enr.device != name:
                 raise ValueError(f"devices[{name!r}] must be the Enrollment of {name!r}")
+        for e in devices.values():  # every key parses now; the objects are made on use
+            Ed25519PublicKey.from_public_bytes(e.sign_key)
         object.__setattr__(self, "devices", MappingProxyType(devices))
-        object.__setattr__(
-            self,
-            "_verifiers",
-            MappingProxyType(
-                {n: Ed25519PublicKey.from_public_bytes(e.sign_key) for n, e in devices.items()}
-            ),
-        )
+        # verifier objects of the devices heard from lately, at most _VERIFIERS of them: a
+        # registry of 100,000 enrolled devices holds their raw keys, not 100,000 objects
+        object.__setattr__(self, "_verifiers", {})
         object.__setattr__(self, "_aggregator_verifier", Ed25519PublicKey.from_public_bytes(key))
 
     @classmethod
@@ -252,10 +251,23 @@ class Registry:
         self.verify(signer_of(msg), msg.sig, msg.signing_bytes(context),  # type: ignore[attr-defined]
                     msg.KIND)
 
+    def _verifier(self, device: str) -> Ed25519PublicKey | None:
+        cache = self._verifiers
+        assert cache is not None
+        key = cache.get(device)
+        if key is None:
+            enr = self.devices.get(device)
+            if enr is None:
+                return None
+            if len(cache) >= _VERIFIERS:  # the oldest first (dicts keep insertion order)
+                for old in list(cache)[:_VERIFIERS // 2]:
+                    del cache[old]
+            key = cache[device] = Ed25519PublicKey.from_public_bytes(enr.sign_key)
+        return key
+
     def verify(self, signer: str | None, sig: bytes, data: bytes, what: str) -> None:
         """Check a signature by ``signer`` (None: the aggregator); RemoteProtocolError if bad."""
-        assert self._verifiers is not None
-        key = self._aggregator_verifier if signer is None else self._verifiers.get(signer)
+        key = self._aggregator_verifier if signer is None else self._verifier(signer)
         who = "the aggregator" if signer is None else repr(signer)
         if key is None:
             raise RemoteProtocolError(f"{what}: signer {who} is not enrolled")
