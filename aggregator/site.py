@@ -50,9 +50,15 @@ Privacy, for every party that sees a sum:
 A gateway's cohort noise is thus not shared across gateways: the price of not trusting a
 gateway more than the site is G times the noise in the site's sum.
 
-Not here yet (issue 19's other parts): the site's state is not checkpointed (a site restart
-starts from model 0), and adaptive clipping (which moves S from the sum) is refused in a
-hierarchy, because each gateway would move its own S.
+Persistence: :meth:`SiteMachine.snapshot` is the whole state as bytes (model, optimizer
+state, the open round's announcement, deadline and the gateway sums it holds, history);
+the injected ``checkpoint`` callable (``aggregator.store.CheckpointStore.save``) gets it
+after every change, before that change's messages are returned for sending, so a
+restarted site (:meth:`SiteMachine.restore`) neither forgets a sum it acknowledged nor
+announces a round id twice.
+
+Not here yet: adaptive clipping (which moves S from the sum) is refused in a hierarchy,
+because each gateway would move its own S.
 """
 
 from __future__ import annotations
@@ -65,8 +71,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import numpy as np
 
+from aggregator.errors import AggregatorError
 from aggregator.optimizers import OPTIMIZERS
 from aggregator.round_core import (
     RoundPolicy,
@@ -89,6 +97,7 @@ __all__ = [
     "SiteRejected",
     "SiteRoundEnded",
     "SiteRoundStarted",
+    "SiteSnapshotError",
     "Upstream",
     "check_gateway_policy",
     "combine",
@@ -101,6 +110,13 @@ HIERARCHY_MECHANISMS = ("gaussian", "device-dp")
 """The mechanisms whose plans size their ring by ``RoundPolicy.sum_cohort`` (so gateways'
 sums can be added) and whose noise is per gateway cohort."""
 _EVENTS = 4096
+_HISTORY = 1000  # site rounds kept in the history (and the snapshot)
+_SNAPSHOT_FORMAT = "fedge-site"
+_SNAPSHOT_VERSION = 1
+
+
+class SiteSnapshotError(AggregatorError):
+    """A site snapshot that cannot be restored (malformed, or another site's)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -300,13 +316,16 @@ class SiteMachine:
             round seeds).
         start_gate: called before a round is announced; it waits while this returns False
             (a simulator starts rounds only once every gateway is ready).
+        checkpoint: called with :meth:`snapshot` after every change of state, before the
+            change's messages are returned.
     """
 
     def __init__(self, *, policy: SitePolicy, round_policy: RoundPolicy,
                  identity: AggregatorIdentity, gateways: Mapping[str, bytes],
                  params: Sequence[np.ndarray],
                  random_bytes: Callable[[int], bytes] = os.urandom,
-                 start_gate: Callable[[], bool] | None = None) -> None:
+                 start_gate: Callable[[], bool] | None = None,
+                 checkpoint: Callable[[bytes], None] | None = None) -> None:
         check_gateway_policy(round_policy)
         if not gateways:
             raise ValueError("a site needs at least one gateway")
@@ -338,6 +357,7 @@ class SiteMachine:
         self._round: _SiteRound | None = None
         self._history: list[SiteOutcome] = []
         self._events: deque[SiteEvent] = deque(maxlen=_EVENTS)
+        self._checkpoint = checkpoint
 
     # ------------------------------------------------------------------ properties
 
@@ -424,6 +444,7 @@ class SiteMachine:
         if msg.survivors:
             self._check_template(msg, r.announce)
         r.sums[gw] = msg
+        self._save()
         self._events.append(GatewayReported(round_id=msg.round_id, gateway=gw,
                                             survivors=msg.survivors, detail=msg.detail))
         logger.info("site round %d: gateway %s reported %d survivors%s", msg.round_id, gw,
@@ -466,6 +487,7 @@ class SiteMachine:
         self._last_round = round_id
         self._events.append(SiteRoundStarted(round_id=round_id, model_version=self._version))
         logger.info("site round %d announced (model version %d)", round_id, self._version)
+        self._save()
         return [self._announce_publish(announce)]
 
     def _close(self, now: float, *, why: str) -> list[Publish]:
@@ -496,13 +518,100 @@ class SiteMachine:
             now)
 
     def _end(self, outcome: SiteOutcome, now: float) -> list[Publish]:
-        self._history.append(outcome)
+        self._history = [*self._history, outcome][-_HISTORY:]
+        self._save()
         self._events.append(SiteRoundEnded(outcome=outcome))
         logger.info("site round %d %s: gateways %s, %d survivors, model version %d%s",
                     outcome.round_id, "done" if outcome.completed else "FAILED",
                     list(outcome.gateways), outcome.survivors, outcome.model_version,
                     f" ({outcome.detail})" if outcome.detail else "")
         return self._maybe_start(now)
+
+    # ------------------------------------------------------------------ snapshots
+
+    def _save(self) -> None:
+        if self._checkpoint is not None:
+            self._checkpoint(self.snapshot())
+
+    def snapshot(self) -> bytes:
+        """The whole state as deterministic msgpack bytes (:meth:`restore` reads it)."""
+        from aggregator.rounds import _tree_leaves
+
+        r = self._round
+        state = {
+            "format": _SNAPSHOT_FORMAT, "v": _SNAPSHOT_VERSION,
+            "site": self.policy.site, "site_key": self._idn.public_key,
+            "gateways": sorted([g, k] for g, k in self._gateways.items()),
+            "version": self._version, "model_round": self._model_round,
+            "last_round": self._last_round,
+            "params": [wire.WireArray.of(p).to_wire() for p in self._params],
+            "opt_state": [wire.WireArray.of(a).to_wire() for a in _tree_leaves(self._opt_state)],
+            "round": None if r is None else {
+                "announce": wire.encode(r.announce), "deadline": r.deadline,
+                "sums": [wire.encode(m) for _, m in sorted(r.sums.items())]},
+            "history": [[o.round_id, o.completed, list(o.gateways), sorted(o.missing.items()),
+                         o.survivors, None if o.total is None else
+                         wire.WireArray.of(o.total).to_wire(), o.model_version, o.detail]
+                        for o in self._history],
+        }
+        return msgpack.packb(state, use_bin_type=True)
+
+    @classmethod
+    def restore(cls, data: bytes, *, policy: SitePolicy, round_policy: RoundPolicy,
+                identity: AggregatorIdentity, gateways: Mapping[str, bytes],
+                random_bytes: Callable[[int], bytes] = os.urandom,
+                start_gate: Callable[[], bool] | None = None,
+                checkpoint: Callable[[bytes], None] | None = None) -> SiteMachine:
+        """The site exactly as :meth:`snapshot` captured it; its open round keeps its
+        deadline on the clock it was driven with (call :meth:`on_connect` to announce it
+        again).
+
+        Raises:
+            SiteSnapshotError: malformed, or taken by another site, key or gateway set.
+        """
+        from aggregator.rounds import _tree_rebuild
+
+        try:
+            s = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+            if s.get("format") != _SNAPSHOT_FORMAT or s.get("v") != _SNAPSHOT_VERSION:
+                raise SiteSnapshotError(f"not a {_SNAPSHOT_FORMAT} v{_SNAPSHOT_VERSION} "
+                                        "snapshot")
+            if (s["site"], s["site_key"]) != (policy.site, identity.public_key):
+                raise SiteSnapshotError("the snapshot was taken by another site or key")
+            if {g: bytes(k) for g, k in s["gateways"]} != dict(gateways):
+                raise SiteSnapshotError("the snapshot was taken with other gateways")
+            lim = wire.LIMITS
+            params = [wire.WireArray.from_wire(a, lim).to_numpy() for a in s["params"]]
+            m = cls(policy=policy, round_policy=round_policy, identity=identity,
+                    gateways=gateways, params=params, random_bytes=random_bytes,
+                    start_gate=start_gate, checkpoint=checkpoint)
+            leaves = [wire.WireArray.from_wire(a, lim).to_numpy() for a in s["opt_state"]]
+            m._opt_state = _tree_rebuild(m._opt.init(m._params), leaves)
+            m._version, m._model_round = int(s["version"]), int(s["model_round"])
+            m._last_round = int(s["last_round"])
+            m._model_msg = m._sign_model()
+            rs = s["round"]
+            if rs is not None:
+                announce = wire.decode(rs["announce"], wire.SITE_KINDS)
+                assert isinstance(announce, SiteRound)
+                m._round = _SiteRound(announce=announce, deadline=float(rs["deadline"]))
+                for raw in rs["sums"]:
+                    msg = wire.decode(raw, wire.SITE_KINDS)
+                    assert isinstance(msg, GatewaySum)
+                    wire.verify(msg, m._gateways[msg.sender])
+                    m._round.sums[msg.sender] = msg
+            m._history = [SiteOutcome(
+                round_id=h[0], completed=h[1], gateways=tuple(h[2]), missing=dict(h[3]),
+                survivors=h[4], total=None if h[5] is None else
+                wire.WireArray.from_wire(h[5], lim).to_numpy(), model_version=h[6],
+                detail=h[7]) for h in s["history"]]
+            return m
+        except SiteSnapshotError:
+            raise
+        except (ValueError, TypeError, KeyError, IndexError, AssertionError,
+                msgpack.UnpackException, RemoteProtocolError) as e:
+            raise SiteSnapshotError(f"cannot restore the site: {type(e).__name__}: {e}"
+                                    ) from None
 
     # ------------------------------------------------------------------ publishes
 
