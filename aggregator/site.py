@@ -47,6 +47,10 @@ Privacy, for every party that sees a sum:
   across gateways' sums when each is seen on its own);
 * the **model** each device receives is post-processing of those sums.
 
+The site takes a gateway's sum as that gateway's signed statement: like a flat round's
+aggregator, a gateway is semi-honest (it runs the protocol; a gateway that forwards a
+made-up sum corrupts the model, as a lying aggregator would, without learning more).
+
 A gateway's cohort noise is thus not shared across gateways: the price of not trusting a
 gateway more than the site is G times the noise in the site's sum.
 

@@ -44,7 +44,7 @@ def _pair(tmp: Path, **settings: Any) -> tuple[Hierarchy, dict[str, Any], dict[s
     return h, site, flat
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.2])
+@pytest.mark.parametrize("dropout", [pytest.param(0.0, marks=pytest.mark.slow), 0.2])
 def test_two_gateways_equal_the_flat_run_bit_for_bit(tmp_path, dropout: float) -> None:
     h, site, flat = _pair(tmp_path, cfg={"rounds": 3, "dropout": dropout})
     assert [r["completed"] for r in site["rounds"]] == [True] * 3
@@ -58,7 +58,7 @@ def test_two_gateways_equal_the_flat_run_bit_for_bit(tmp_path, dropout: float) -
     assert h.policy.cohort_size == 10 and h.policy.sum_cohort == 20
 
 
-@pytest.mark.parametrize("stage", ["masked", "forward"])
+@pytest.mark.parametrize("stage", [pytest.param("masked", marks=pytest.mark.slow), "forward"])
 def test_a_gateway_lost_mid_round_costs_only_its_cohort(tmp_path, stage: str) -> None:
     h, site, flat = _pair(tmp_path, cfg={"rounds": 4, "dropout": 0.1},
                           kill=(2, 1, stage), round_timeout=200.0)
@@ -245,3 +245,38 @@ def test_fedge_site_command_runs_and_checks_the_flat_model(tmp_path, capsys) -> 
 
     summary = json.loads(out.read_text())
     assert summary["model_sha256"] == summary["flat_model_sha256"]
+
+
+def test_site_restarted_mid_round_keeps_the_sums_it_acknowledged() -> None:
+    from aggregator.site import SiteSnapshotError
+
+    def run(crash: bool):
+        m, policy, site_id, gws = _site()
+        saved: list[bytes] = []
+        m._checkpoint = saved.append
+        out = m.on_connect(0.0)
+        ann = wire.decode(next(p.payload for p in out if p.topic.endswith("site/round")),
+                          wire.SITE_KINDS)
+        pa = _plan(policy, ann, ("a1", "a2", "a3"))
+        pb = _plan(policy, ann, ("b1", "b2", "b3"))
+        _report(m, "gw-a", gws["gw-a"], pa, np.arange(4, dtype=np.uint64), 3)
+        if crash:  # the process dies; a new one starts from the last checkpoint
+            kw = dict(policy=m.policy, round_policy=m.round_policy, identity=site_id,
+                      gateways={g: i.public_key for g, i in gws.items()})
+            m = SiteMachine.restore(saved[-1], **kw)
+            assert m.open_round == 1 and m.waiting_for == {"gw-b"}
+            with pytest.raises(SiteSnapshotError, match="other gateways"):
+                SiteMachine.restore(saved[-1], **{**kw, "gateways": {"gw-a": b"\x00" * 32}})
+            with pytest.raises(SiteSnapshotError):
+                SiteMachine.restore(saved[-1][:-5], **kw)
+            # the acknowledged sum is not taken twice
+            assert _report(m, "gw-a", gws["gw-a"], pa, np.arange(4, dtype=np.uint64), 3) == []
+        _report(m, "gw-b", gws["gw-b"], pb, np.ones(4, dtype=np.uint64), 3)
+        return m.history[-1], m.params, m.open_round
+
+    plain, crashed = run(False), run(True)
+    assert plain[0].completed and crashed[0].completed
+    np.testing.assert_array_equal(plain[0].total, crashed[0].total)
+    for a, b in zip(plain[1], crashed[1], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert plain[2] == crashed[2] == 2  # the next round id, not a repeated one

@@ -24,7 +24,8 @@ CFG = dict(dataset="digits", model="logreg", devices=40, participation=0.5, loca
 NO_NETNS = netns_available()
 
 
-def _flat_sha(tmp: Path, cfg: SimConfig, kill: tuple[int, int, str] | None) -> tuple[str, list[int]]:
+def _flat_sha(tmp: Path, cfg: SimConfig, kill: tuple[int, int, str] | None
+              ) -> tuple[str, list[int]]:
     """The flat single-gateway run's model (and survivors per round) with the cohorts
     the gateways draw, without the lost gateway's cohort in the round it was lost."""
     h = Hierarchy(cfg, tmp / "sim", gateways=2, kill=kill, round_timeout=3600.0)

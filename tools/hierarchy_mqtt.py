@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from aggregator.site import SiteMachine, SitePolicy, Upstream
+from aggregator.store import CheckpointStore
 from edge_sdk import wire
 from edge_sdk.engine import load_engine
 from edge_sdk.model import build_spec
@@ -136,11 +137,14 @@ def run_site(spec: dict[str, Any]) -> dict[str, Any]:
     gws = gateway_names(spec["gateways"])
     policy = gateway_policy(cfg, data, spec["gateways"])
     site_id = site_identity(cfg.seed)
-    machine = SiteMachine(
+    store = CheckpointStore(work / "site.ckpt")  # a restarted site resumes from it
+    kw: dict[str, Any] = dict(
         policy=SitePolicy(site=SITE_NAME, round_timeout=float(spec["round_timeout"])),
         round_policy=policy, identity=site_id,
         gateways={g: aggregator_identity(cfg.seed, g).public_key for g in gws},
-        params=initial_params(cfg, mspec), random_bytes=round_random_bytes(cfg.seed))
+        random_bytes=round_random_bytes(cfg.seed), checkpoint=store.save)
+    machine = (SiteMachine.restore(store.load(), **kw) if store.path.exists()
+               else SiteMachine(params=initial_params(cfg, mspec), **kw))
     agent = SiteAgent(machine)
     listen = list(spec["site_listen"])
     with Broker(devices=gws, fleet=SITE_NAME, aggregator=SITE, directory=work / "broker",
