@@ -425,6 +425,14 @@ class RoundMachine:
         select: (eligible devices, round id) -> the round's cohort (sorted), in place of
             ``round_core.draw_cohort``: a stratified draw (``tools.hierarchy`` runs a flat
             fleet with the cohorts its gateways drew, to compare the two bit for bit).
+        share: this machine is one of several workers of one gateway (issue 19): it takes
+            no check-ins; its rounds are the jobs its site (a ``SiteMachine(jobs=...)``
+            coordinating the gateway) hands out on ``site/job``, which it takes through the
+            MQTT v5 shared subscription ``$share/<share>/...`` (each job reaches one
+            worker; a worker runs its jobs one after the other). The driver subscribes the
+            open round's cohort's uplinks (:meth:`round_subscriptions`) when a round starts
+            and drops them when it ends. Needs ``upstream``. None: the machine takes every
+            device's messages and draws its own cohorts.
     """
 
     def __init__(
@@ -440,6 +448,7 @@ class RoundMachine:
         limits: FloodLimits | None = None,
         upstream: Upstream | None = None,
         select: Callable[[Sequence[str], int], tuple[str, ...]] | None = None,
+        share: str | None = None,
     ) -> None:
         if registry.aggregator_key != identity.public_key:
             raise ValueError("the registry's aggregator key is not this identity's")
@@ -477,6 +486,13 @@ class RoundMachine:
             check_gateway_policy(policy)
         self._upstream = upstream
         self._select = select
+        if share is not None:
+            wire.check_name("share group", share)
+            if upstream is None:
+                raise ValueError("a worker (share=...) forwards its sums: it needs upstream")
+        self._share = share
+        self._jobs: deque[SiteRound] = deque()  # share: jobs taken, not yet run
+        self._job = 0  # share: the open round's job index
         self._site_round: SiteRound | None = None  # the site's newest announcement
         self._site_model: tuple[int, int] | None = None  # (version, round) adopted last
 
@@ -558,10 +574,23 @@ class RoundMachine:
         up = self._upstream
         site = [] if up is None else [wire.site_round_topic(up.site),
                                       wire.site_model_topic(up.site)]
+        if self._share is not None and up is not None:
+            return [f"$share/{self._share}/{wire.site_job_topic(up.site)}",
+                    wire.site_model_topic(up.site)]
         if not per_device:
             return [f"{root}/dev/+/up/+", f"{root}/status/+", *site]
         return site + [f for dev in sorted(self._reg.devices) if dev not in self._quarantine
                        for f in self.device_subscriptions(dev)]
+
+    def round_subscriptions(self, cohort: Sequence[str]) -> list[str]:
+        """A worker's (``share``) filters for a round of ``cohort``: each member's uplink
+        kinds except its check-in (the site coordinator takes those); [] for a machine
+        that takes every device's messages."""
+        if self._share is None:
+            return []
+        root = wire.fleet_topic(self.policy.fleet)
+        kinds = [k for k in wire.UP_KINDS if k != CheckIn.KIND]
+        return [f"{root}/dev/{d}/up/{k}" for d in cohort for k in kinds]
 
     def device_subscriptions(self, device: str) -> list[str]:
         """The per-device filters of ``device`` (see :meth:`subscriptions`)."""
@@ -610,7 +639,8 @@ class RoundMachine:
         """One inbound message. Never raises: a bad message is logged and changes nothing."""
         up = self._upstream
         if up is not None and topic in (wire.site_round_topic(up.site),
-                                        wire.site_model_topic(up.site)):
+                                        wire.site_model_topic(up.site),
+                                        wire.site_job_topic(up.site)):
             try:
                 return self._from_site(topic, payload, now)
             except RemoteProtocolError as e:
@@ -802,7 +832,7 @@ class RoundMachine:
         survivors = r.server.survivors
         plan = r.plan
         if self._upstream is not None:
-            return self._forward(r, total, survivors)
+            return self._forward(r, total, survivors, now)
         done = finish(plan, total, len(survivors), params=self._params,
                       server=server_half(plan, dim=self.dimension), optimizer=self._opt,
                       opt_state=self._opt_state)
@@ -851,10 +881,12 @@ class RoundMachine:
         if self._upstream is not None:  # the site need not wait for this gateway
             out.append(self._sum_publish(gateway_sum(plan, gateway=self._upstream.gateway,
                                                      total=None, survivors=0,
-                                                     detail=reason)))
+                                                     detail=reason, job=self._job)))
         self._release(plan.round_id)
         self._ended(r)
         self._save()
+        if self._share is not None:  # a worker goes on with its next job
+            out += self._maybe_start(now)
         return out
 
     def _record(self, outcome: RoundOutcome) -> None:
@@ -878,8 +910,18 @@ class RoundMachine:
         pol = self.policy
         if self._round is not None or self._restored:
             return []
-        if pol.max_rounds is not None and self._last_round >= pol.max_rounds:
-            return []
+        if self._share is None and pol.max_rounds is not None \
+                and self._last_round >= pol.max_rounds:
+            return []  # (a worker's rounds are its site's: the site counts them)
+        if self._share is not None:  # a worker runs its jobs, in order, on their model
+            while self._jobs and self._jobs[0].model_version < self._version:
+                self._jobs.popleft()  # a job of a round the site has closed
+            if not self._jobs or self._jobs[0].model_version != self._version:
+                return []
+            job = self._jobs.popleft()
+            self._job = job.job
+            self._site_round = job
+            return self._start(now, list(job.cohort))
         site = self._site_round
         if self._upstream is not None and (
                 site is None or site.round_id <= self._last_round
@@ -902,8 +944,11 @@ class RoundMachine:
         pol = self.policy
         site = self._site_round if self._upstream is not None else None
         round_id = self._last_round + 1 if site is None else site.round_id
-        cohort = (draw_cohort(eligible, policy=pol, round_id=round_id) if self._select is None
-                  else self._select(eligible, round_id))
+        if self._share is not None:  # the job's cohort, as the site drew it
+            cohort = tuple(eligible)
+        else:
+            cohort = (draw_cohort(eligible, policy=pol, round_id=round_id)
+                      if self._select is None else self._select(eligible, round_id))
         n = len(cohort)
         if self._update_clip is not None:  # adaptive clipping's current S
             pol = with_update_clip(pol, self._update_clip)
@@ -921,7 +966,7 @@ class RoundMachine:
                              declined=set(), log=[], outbox=outbox,
                              next_resend=now + self._resend_every(),
                              remaining={dev: self._available[dev].remaining_epsilon
-                                        for dev in cohort})
+                                        for dev in cohort if dev in self._available})
         self._last_round = round_id
         for dev in cohort:  # they check in again when the round is over
             self._available.pop(dev, None)
@@ -945,8 +990,8 @@ class RoundMachine:
 
     # ------------------------------------------------------------------ site (gateway)
 
-    def _forward(self, r: _Round, total: np.ndarray, survivors: tuple[str, ...]
-                 ) -> list[Publish]:
+    def _forward(self, r: _Round, total: np.ndarray, survivors: tuple[str, ...],
+                 now: float) -> list[Publish]:
         """A gateway's end of a completed round: the released sum goes to the site; the
         model changes only when the site's new one arrives (:meth:`_from_site`)."""
         assert self._upstream is not None
@@ -964,7 +1009,8 @@ class RoundMachine:
         self._ended(r)
         self._save()
         return [self._sum_publish(gateway_sum(plan, gateway=self._upstream.gateway,
-                                              total=total, survivors=len(survivors)))]
+                                              total=total, survivors=len(survivors),
+                                              job=self._job))] + self._maybe_start(now)
 
     def _sum_publish(self, msg: GatewaySum) -> Publish:
         assert self._upstream is not None
@@ -976,6 +1022,20 @@ class RoundMachine:
         """The site's round announcement or model (verified with the site's key)."""
         up = self._upstream
         assert up is not None
+        if topic == wire.site_job_topic(up.site):
+            msg = wire.decode(payload, wire.SITE_KINDS)
+            if not isinstance(msg, SiteRound) or not msg.cohort:
+                raise RemoteProtocolError("not a job on the site's job topic")
+            wire.verify(msg, up.site_key)
+            if self._share is None:
+                raise RemoteProtocolError("a job for a worker, and this machine is none")
+            if len(msg.cohort) != self.policy.cohort_size or not set(msg.cohort) <= set(
+                    self._reg.devices):
+                raise RemoteProtocolError(f"job {msg.job} of round {msg.round_id}: a cohort of "
+                                          f"{len(msg.cohort)}, not {self.policy.cohort_size} "
+                                          "enrolled devices")
+            self._jobs.append(msg)
+            return self._maybe_start(now)
         if topic == wire.site_round_topic(up.site):
             msg = wire.decode(payload, wire.SITE_KINDS)
             if not isinstance(msg, SiteRound):
@@ -1052,6 +1112,7 @@ class RoundMachine:
             "short": sorted([d, v] for d, v in self._short.items()),
             "site_round": None if self._site_round is None else wire.encode(self._site_round),
             "site_model": None if self._site_model is None else list(self._site_model),
+            "jobs": [wire.encode(j) for j in self._jobs], "job": self._job,
             "round": None if r is None else {
                 "plan": wire.encode(r.plan),
                 "stage": r.stage.value,
@@ -1078,6 +1139,7 @@ class RoundMachine:
         start_gate: Callable[[Mapping[str, CheckIn]], bool] | None = None,
         limits: FloodLimits | None = None,
         upstream: Upstream | None = None,
+        share: str | None = None,
     ) -> RoundMachine:
         """A machine in exactly the state :meth:`snapshot` captured (``start_gate`` and
         ``limits`` as in the constructor; they are not part of the snapshot, nor are the
@@ -1102,6 +1164,16 @@ class RoundMachine:
                     wire.verify(m._site_round, upstream.site_key)
                 sm = s.get("site_model")
                 m._site_model = None if sm is None else (int(sm[0]), int(sm[1]))
+            if share is not None:
+                if upstream is None:
+                    raise ValueError("a worker (share=...) needs upstream")
+                m._share = wire.check_name("share group", share)
+                for raw in s.get("jobs", []):
+                    job = wire.decode(raw, wire.SITE_KINDS)
+                    assert isinstance(job, SiteRound)
+                    wire.verify(job, upstream.site_key)
+                    m._jobs.append(job)
+                m._job = int(s.get("job", 0))
             if limits is not None:
                 m._guard = FloodGuard(limits)
             return m

@@ -67,6 +67,7 @@ because each gateway would move its own S.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -82,15 +83,17 @@ from aggregator.errors import AggregatorError
 from aggregator.optimizers import OPTIMIZERS
 from aggregator.round_core import (
     RoundPolicy,
+    eligible_devices,
     finish,
     mechanism_params,
     round_secrets,
+    select_cohort,
     server_half,
 )
 from edge_sdk import wire
 from edge_sdk.errors import RemoteProtocolError, ReplayedMessage
-from edge_sdk.secagg import AggregatorIdentity
-from edge_sdk.wire import GatewaySum, ModelUpdate, Publish, RoundPlan, SiteRound
+from edge_sdk.secagg import AggregatorIdentity, Registry
+from edge_sdk.wire import CheckIn, GatewaySum, ModelUpdate, Publish, RoundPlan, SiteRound
 
 __all__ = [
     "HIERARCHY_MECHANISMS",
@@ -116,7 +119,7 @@ sums can be added) and whose noise is per gateway cohort."""
 _EVENTS = 4096
 _HISTORY = 1000  # site rounds kept in the history (and the snapshot)
 _SNAPSHOT_FORMAT = "fedge-site"
-_SNAPSHOT_VERSION = 1
+_SNAPSHOT_VERSION = 2  # 2: jobs and check-ins
 
 
 class SiteSnapshotError(AggregatorError):
@@ -186,7 +189,7 @@ def check_gateway_policy(policy: RoundPolicy) -> None:
 
 
 def gateway_sum(plan: RoundPlan, *, gateway: str, total: np.ndarray | None,
-                survivors: int, detail: str = "") -> GatewaySum:
+                survivors: int, detail: str = "", job: int = 0) -> GatewaySum:
     """The (unsigned) report of a gateway's round of ``plan``: its ring ``total`` of
     ``survivors`` uploads, or (survivors 0, total None) a failure and why."""
     arr = None
@@ -197,7 +200,7 @@ def gateway_sum(plan: RoundPlan, *, gateway: str, total: np.ndarray | None,
                       model_version=plan.model_version, mechanism=plan.mechanism,
                       params=plan.params, round_seed=plan.round_seed, bits=plan.bits,
                       length=plan.length, cohort=plan.cohort, survivors=survivors,
-                      total=arr, detail=detail[:256])
+                      total=arr, detail=detail[:256], job=job)
 
 
 def combine(sums: Sequence[GatewaySum], *, round_id: int) -> tuple[RoundPlan, np.ndarray, int]:
@@ -302,6 +305,7 @@ class _SiteRound:
     announce: SiteRound
     deadline: float
     sums: dict[str, GatewaySum] = field(default_factory=dict)
+    jobs: dict[int, tuple[str, ...]] = field(default_factory=dict)  # jobs > 0: job -> cohort
 
 
 class SiteMachine:
@@ -322,6 +326,13 @@ class SiteMachine:
             (a simulator starts rounds only once every gateway is ready).
         checkpoint: called with :meth:`snapshot` after every change of state, before the
             change's messages are returned.
+        jobs: 0: the gateways draw their own cohorts (a site of gateways). > 0: the site is
+            one gateway's coordinator over its workers: it takes the devices' check-ins,
+            draws one cohort of ``jobs`` x ``round_policy.cohort_size`` from them (the
+            round core's uniform draw) and hands it out as ``jobs`` disjoint jobs on
+            ``site/job``, which the workers take through an MQTT v5 shared subscription;
+            it waits for one sum per job, from whichever worker ran it.
+        registry: the enrolled devices (jobs > 0: the check-ins' signatures).
     """
 
     def __init__(self, *, policy: SitePolicy, round_policy: RoundPolicy,
@@ -329,8 +340,14 @@ class SiteMachine:
                  params: Sequence[np.ndarray],
                  random_bytes: Callable[[int], bytes] = os.urandom,
                  start_gate: Callable[[], bool] | None = None,
-                 checkpoint: Callable[[bytes], None] | None = None) -> None:
+                 checkpoint: Callable[[bytes], None] | None = None,
+                 jobs: int = 0, registry: Registry | None = None) -> None:
         check_gateway_policy(round_policy)
+        if jobs and registry is None:
+            raise ValueError("a site that hands out jobs selects the devices: it needs the "
+                             "registry (their check-ins are signed)")
+        if jobs < 0:
+            raise ValueError(f"jobs must be >= 0, got {jobs!r}")
         if not gateways:
             raise ValueError("a site needs at least one gateway")
         for name, key in gateways.items():
@@ -362,6 +379,9 @@ class SiteMachine:
         self._history: list[SiteOutcome] = []
         self._events: deque[SiteEvent] = deque(maxlen=_EVENTS)
         self._checkpoint = checkpoint
+        self._jobs = jobs
+        self._reg = registry
+        self._available: dict[str, CheckIn] = {}  # jobs > 0: the devices' check-ins
 
     # ------------------------------------------------------------------ properties
 
@@ -383,9 +403,17 @@ class SiteMachine:
 
     @property
     def waiting_for(self) -> frozenset[str]:
-        """Gateways the open round still waits for."""
+        """Gateways (or, handing out jobs, ``job-<i>`` s) the open round still waits for."""
         r = self._round
-        return frozenset() if r is None else frozenset(self._gateways) - r.sums.keys()
+        return frozenset() if r is None else frozenset(self._expected()) - r.sums.keys()
+
+    @property
+    def checkins(self) -> dict[str, CheckIn]:
+        """jobs > 0: the devices' latest check-ins (device -> CheckIn)."""
+        return dict(self._available)
+
+    def _expected(self) -> list[str]:
+        return [f"job-{i}" for i in range(self._jobs)] if self._jobs else list(self._gateways)
 
     @property
     def deadline(self) -> float | None:
@@ -399,7 +427,11 @@ class SiteMachine:
     # ------------------------------------------------------------------ endpoint
 
     def subscriptions(self) -> list[str]:
-        return [f"{wire.fleet_topic(self.policy.site)}/gw/+/up/+"]
+        ups = [f"{wire.fleet_topic(self.policy.site)}/gw/+/up/+"]
+        if not self._jobs:
+            return ups
+        root = wire.fleet_topic(self.round_policy.fleet)
+        return [*ups, f"{root}/dev/+/up/{CheckIn.KIND}", f"{root}/status/+"]
 
     def on_connect(self, now: float) -> list[Publish]:
         out = [self._model_publish()]
@@ -427,6 +459,8 @@ class SiteMachine:
 
     def _handle(self, gw: str | None, topic: str, payload: bytes, now: float
                 ) -> list[Publish]:
+        if gw is None and self._jobs:
+            return self._device_message(topic, payload, now)
         if gw is None:
             raise RemoteProtocolError(f"not a gateway uplink of site {self.policy.site!r}")
         key = self._gateways.get(gw)
@@ -443,11 +477,18 @@ class SiteMachine:
         if r is None or msg.round_id != r.announce.round_id:
             raise RemoteProtocolError(f"gateway_sum for round {msg.round_id}, the open "
                                       f"round is {None if r is None else r.announce.round_id}")
-        if gw in r.sums:
-            raise ReplayedMessage(f"gateway {gw!r} already reported round {msg.round_id}")
+        slot = gw
+        if self._jobs:  # any worker may have run a job: the sum is the job's
+            if msg.job not in r.jobs or tuple(msg.cohort) != r.jobs[msg.job]:
+                raise RemoteProtocolError(f"{gw!r} reports job {msg.job} of round "
+                                          f"{msg.round_id} with a cohort the site did not "
+                                          "hand out")
+            slot = f"job-{msg.job}"
+        if slot in r.sums:
+            raise ReplayedMessage(f"{slot} already reported round {msg.round_id}")
         if msg.survivors:
             self._check_template(msg, r.announce)
-        r.sums[gw] = msg
+        r.sums[slot] = msg
         self._save()
         self._events.append(GatewayReported(round_id=msg.round_id, gateway=gw,
                                             survivors=msg.survivors, detail=msg.detail))
@@ -472,6 +513,29 @@ class SiteMachine:
             raise RemoteProtocolError(f"gateway {msg.sender!r}'s cohort names devices "
                                       "another gateway already summed")
 
+    def _device_message(self, topic: str, payload: bytes, now: float) -> list[Publish]:
+        """jobs > 0: a device's check-in (or its status: offline withdraws it)."""
+        assert self._reg is not None
+        root = wire.fleet_topic(self.round_policy.fleet)
+        parts = topic.split("/")
+        if topic.startswith(f"{root}/status/") and len(parts) == 4:
+            if bytes(payload) == b"offline":
+                self._available.pop(parts[3], None)
+            return []
+        if not (topic.startswith(f"{root}/dev/") and len(parts) == 6
+                and parts[4] == "up" and parts[5] == CheckIn.KIND):
+            raise RemoteProtocolError(f"not a check-in of fleet {self.round_policy.fleet!r}")
+        device = parts[3]
+        if device not in self._reg.devices:
+            raise RemoteProtocolError(f"check-in from outsider {device!r}")
+        msg = wire.decode(payload, wire.UP_KINDS)
+        if not isinstance(msg, CheckIn) or msg.sender != device:
+            raise RemoteProtocolError(f"a {msg.KIND} from {getattr(msg, 'sender', '?')!r} "
+                                      f"on {device!r}'s check-in topic")
+        self._reg.verify_message(msg)
+        self._available[device] = msg
+        return self._maybe_start(now)
+
     # ------------------------------------------------------------------ rounds
 
     def _maybe_start(self, now: float) -> list[Publish]:
@@ -480,19 +544,40 @@ class SiteMachine:
         mr = self.round_policy.max_rounds
         if mr is not None and self._last_round >= mr:
             return []
+        cohort: tuple[str, ...] = ()
+        if self._jobs:
+            eligible = eligible_devices({d: c.remaining_epsilon for d, c in
+                                         self._available.items()
+                                         if c.model_version == self._version})
+            whole = self._jobs * self.round_policy.cohort_size
+            if len(eligible) < whole:
+                return []  # every job is a full cohort (check_gateway_policy)
         if self._start_gate is not None and not self._start_gate():
             return []
         round_id = self._last_round + 1
         round_seed, _ = round_secrets(self._random)  # a flat RoundMachine's draws, in order
+        if self._jobs:
+            cohort = select_cohort(eligible, whole, seed=self.round_policy.seed,
+                                   round_id=round_id)
+            for d in cohort:  # they check in again when the round is over
+                self._available.pop(d, None)
         announce = wire.sign(SiteRound(round_id=round_id, model_version=self._version,
                                        round_seed=round_seed,
                                        deadline_s=float(self.policy.round_timeout)), self._idn)
-        self._round = _SiteRound(announce=announce, deadline=now + self.policy.round_timeout)
+        jobs = {i: tuple(str(d) for d in part)
+                for i, part in enumerate(np.array_split(np.array(cohort, dtype=object),
+                                                        self._jobs))} if self._jobs else {}
+        self._round = _SiteRound(announce=announce, deadline=now + self.policy.round_timeout,
+                                 jobs=jobs)
         self._last_round = round_id
         self._events.append(SiteRoundStarted(round_id=round_id, model_version=self._version))
-        logger.info("site round %d announced (model version %d)", round_id, self._version)
+        logger.info("site round %d announced (model version %d%s)", round_id, self._version,
+                    f", {len(jobs)} jobs of {len(cohort) // max(1, len(jobs))}" if jobs else "")
         self._save()
-        return [self._announce_publish(announce)]
+        return [self._announce_publish(announce)] + [
+            Publish(wire.site_job_topic(self.policy.site), wire.encode(wire.sign(
+                dataclasses.replace(announce, cohort=c, job=i, sig=b""), self._idn)))
+            for i, c in jobs.items()]
 
     def _close(self, now: float, *, why: str) -> list[Publish]:
         r = self._round
@@ -500,7 +585,8 @@ class SiteMachine:
         rid = r.announce.round_id
         done = [s for _, s in sorted(r.sums.items()) if s.survivors > 0]
         missing = {g: (r.sums[g].detail or "failed") if g in r.sums else f"no sum by the {why}"
-                   for g in sorted(self._gateways) if g not in {s.sender for s in done}}
+                   for g in sorted(self._expected()) if g not in r.sums
+                   or r.sums[g].survivors == 0}
         self._round = None
         if len(done) < self.policy.min_gateways:
             detail = (f"{len(done)} gateway sums by the {why}, below min_gateways "
@@ -552,7 +638,9 @@ class SiteMachine:
             "opt_state": [wire.WireArray.of(a).to_wire() for a in _tree_leaves(self._opt_state)],
             "round": None if r is None else {
                 "announce": wire.encode(r.announce), "deadline": r.deadline,
-                "sums": [wire.encode(m) for _, m in sorted(r.sums.items())]},
+                "sums": [[k, wire.encode(m)] for k, m in sorted(r.sums.items())],
+                "jobs": sorted([i, list(c)] for i, c in r.jobs.items())},
+            "available": [wire.encode(c) for _, c in sorted(self._available.items())],
             "history": [[o.round_id, o.completed, list(o.gateways), sorted(o.missing.items()),
                          o.survivors, None if o.total is None else
                          wire.WireArray.of(o.total).to_wire(), o.model_version, o.detail]
@@ -565,7 +653,8 @@ class SiteMachine:
                 identity: AggregatorIdentity, gateways: Mapping[str, bytes],
                 random_bytes: Callable[[int], bytes] = os.urandom,
                 start_gate: Callable[[], bool] | None = None,
-                checkpoint: Callable[[bytes], None] | None = None) -> SiteMachine:
+                checkpoint: Callable[[bytes], None] | None = None,
+                jobs: int = 0, registry: Registry | None = None) -> SiteMachine:
         """The site exactly as :meth:`snapshot` captured it; its open round keeps its
         deadline on the clock it was driven with (call :meth:`on_connect` to announce it
         again).
@@ -588,7 +677,8 @@ class SiteMachine:
             params = [wire.WireArray.from_wire(a, lim).to_numpy() for a in s["params"]]
             m = cls(policy=policy, round_policy=round_policy, identity=identity,
                     gateways=gateways, params=params, random_bytes=random_bytes,
-                    start_gate=start_gate, checkpoint=checkpoint)
+                    start_gate=start_gate, checkpoint=checkpoint, jobs=jobs,
+                    registry=registry)
             leaves = [wire.WireArray.from_wire(a, lim).to_numpy() for a in s["opt_state"]]
             m._opt_state = _tree_rebuild(m._opt.init(m._params), leaves)
             m._version, m._model_round = int(s["version"]), int(s["model_round"])
@@ -598,12 +688,17 @@ class SiteMachine:
             if rs is not None:
                 announce = wire.decode(rs["announce"], wire.SITE_KINDS)
                 assert isinstance(announce, SiteRound)
-                m._round = _SiteRound(announce=announce, deadline=float(rs["deadline"]))
-                for raw in rs["sums"]:
+                m._round = _SiteRound(announce=announce, deadline=float(rs["deadline"]),
+                                      jobs={int(i): tuple(c) for i, c in rs["jobs"]})
+                for slot, raw in rs["sums"]:
                     msg = wire.decode(raw, wire.SITE_KINDS)
                     assert isinstance(msg, GatewaySum)
                     wire.verify(msg, m._gateways[msg.sender])
-                    m._round.sums[msg.sender] = msg
+                    m._round.sums[slot] = msg
+            for raw in s["available"]:
+                c = wire.decode(raw, wire.UP_KINDS)
+                assert isinstance(c, CheckIn) and m._reg is not None
+                m._available[c.sender] = c
             m._history = [SiteOutcome(
                 round_id=h[0], completed=h[1], gateways=tuple(h[2]), missing=dict(h[3]),
                 survivors=h[4], total=None if h[5] is None else

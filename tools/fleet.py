@@ -356,6 +356,8 @@ class Fleet:
         select: the round machine's cohort rule (``RoundMachine(select=...)``).
         schedule: the dropouts (an object with ``victims(round_id, cohort)``; default
             ``DropoutSchedule(cfg.dropout, cfg.seed)`` when ``cfg.dropout > 0``).
+        share, start_gate: the round machine's (``RoundMachine(share=..., start_gate=...)``;
+            default gate: every device checked in on the current model).
     """
 
     def __init__(self, cfg: SimConfig, workdir: str | Path, *, out: TextIO | None = None,
@@ -363,7 +365,8 @@ class Fleet:
                  members: Sequence[int] | None = None, policy: RoundPolicy | None = None,
                  upstream: Upstream | None = None,
                  select: Callable[[Sequence[str], int], tuple[str, ...]] | None = None,
-                 schedule: Any = None) -> None:
+                 schedule: Any = None, share: str | None = None,
+                 start_gate: Callable[[Mapping[str, CheckIn]], bool] | None = None) -> None:
         t0 = time.perf_counter()
         cfg.fleet_checks()
         self.cfg = cfg
@@ -400,8 +403,9 @@ class Fleet:
             policy=self.policy, identity=self.agg_id, registry=self.registry,
             params=self.initial, random_bytes=round_random_bytes(cfg.seed) if upstream is None
             else seeded_bytes(f"fedge-fleet/{cfg.seed}/rounds{label}"),
-            checkpoint=self.store.save, start_gate=self._all_checked_in, upstream=upstream,
-            select=select)
+            checkpoint=self.store.save,
+            start_gate=self._all_checked_in if start_gate is None else start_gate,
+            upstream=upstream, select=select, share=share)
         self.gone: set[str] = set()
         self.meter = Meter()
         self.schedule = schedule if schedule is not None else (

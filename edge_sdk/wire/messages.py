@@ -708,12 +708,18 @@ class SiteRound(Message):
         round_seed: the round's public 32-byte seed, the same in every gateway's plan (the
             rand-k coordinate set: the gateways' sums add up only on one set).
         deadline_s: seconds the site waits for gateway sums once it announced the round.
+        cohort, job: empty and 0 for a gateway, which draws its own cohort; a job for one of
+            a gateway's workers (``aggregator.site``, issue 19) names the cohort to run and
+            its index among the round's jobs (published on ``site/job``, which the workers
+            take through an MQTT v5 shared subscription: each job reaches one worker).
     """
 
     round_id: int = Round(1)
     model_version: int = Int(0, ROUND_HI)
     round_seed: bytes = Bytes(32)
     deadline_s: float = Float(0.0, 86400.0, open_lo=True)
+    cohort: tuple[str, ...] = Names(sorted_unique=True, default=())
+    job: int = Int(0, "max_cohort", default=0)
     sig: bytes = Sig()
 
 
@@ -734,7 +740,8 @@ class GatewaySum(Message):
         cohort: the gateway's cohort (sorted device names; the site's decoding plan is
             for their union); survivors: uploads in the sum (0: failed);
         total: the ring sum, ``length`` unsigned integers below 2^bits;
-        detail: why it failed ("" when it did not).
+        detail: why it failed ("" when it did not); job: the job it ran (a worker's; 0
+            for a gateway).
     """
 
     round_id: int = Round(1)
@@ -749,6 +756,7 @@ class GatewaySum(Message):
     survivors: int = Int(0, "max_cohort")
     total: WireArray | None = Optional(Struct(WireArray))
     detail: str = Str(default="")
+    job: int = Int(0, "max_cohort", default=0)
     sig: bytes = Sig()
 
     def wire_check(self, limits: Limits) -> None:

@@ -9,6 +9,7 @@ The broker's ACLs are written from the same functions (``tools/broker.py``)::
     fedge/<fleet>/round                      round announcements; only the aggregator
     fedge/<site>/site/round                  the site's round, retained; only the site
     fedge/<site>/site/model                  the site's global model, retained; only the site
+    fedge/<site>/site/job                    a round's job for one worker (shared subscription)
     fedge/<site>/gw/<gateway>/up/<kind>      gateway -> site; only <gateway> may publish
 
 The site topics cross mosquitto bridges between a gateway's broker and the site's
@@ -34,6 +35,7 @@ __all__ = [
     "gateway_up_topic",
     "model_topic",
     "mqtt_publish_size",
+    "site_job_topic",
     "site_model_topic",
     "site_round_topic",
     "status_topic",
@@ -84,6 +86,12 @@ def site_round_topic(site: str) -> str:
 def site_model_topic(site: str) -> str:
     """The site's retained global model: ``fedge/<site>/site/model``."""
     return f"{fleet_topic(site)}/site/model"
+
+
+def site_job_topic(site: str) -> str:
+    """The site's jobs for a gateway's workers (taken through a shared subscription, never
+    retained): ``fedge/<site>/site/job``."""
+    return f"{fleet_topic(site)}/site/job"
 
 
 def gateway_up_topic(site: str, gateway: str, kind: str) -> str:
