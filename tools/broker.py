@@ -272,6 +272,7 @@ def write_broker_config(
     acl: str | None = None,
     extra_acl: str = "",
     extra_conf: str = "",
+    extra_users: Sequence[str] = (),
 ) -> BrokerConfig:
     """Write a locked-down mosquitto 2.x configuration for one fleet into ``directory``.
 
@@ -304,6 +305,8 @@ def write_broker_config(
         acl: the whole ACL file instead of the fleet's (``acl_text``): a site broker's.
         extra_acl: lines appended to the ACL (a gateway aggregator's site topics).
         extra_conf: lines appended to mosquitto.conf (a gateway broker's bridge).
+        extra_users: more clients with a password (a gateway's workers and coordinator);
+            their rights come from ``extra_acl``.
 
     Returns:
         The paths, port, credentials and CA path (also saved in ``credentials.json``).
@@ -336,7 +339,10 @@ def write_broker_config(
     directory.mkdir(parents=True, exist_ok=True)
     persistence = directory / "persistence"
     persistence.mkdir(exist_ok=True)
-    passwords = {name: secrets.token_urlsafe(24) for name in (aggregator, *devices)}
+    for name in extra_users:
+        wire.check_name("user", name)
+    passwords = {name: secrets.token_urlsafe(24)
+                 for name in (aggregator, *devices, *extra_users)}
     max_queued = max(1000, len(devices) * messages_per_round) + flood_headroom
 
     password_file = directory / "passwords"

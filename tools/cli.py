@@ -230,8 +230,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks against a reference measured in the same run")
     p.add_argument("what",
                    choices=["all", "client", "stacks", "wire", "small-upload", "accountant",
-                            "ledger", "secagg", "round-timeline", "scale", "envelope",
-                            "compare"],
+                            "ledger", "secagg", "round-timeline", "scale", "workers",
+                            "envelope", "compare"],
                    help="all: every benchmark, written to docs/benchmarks.md (shortfalls "
                         "against the issues' targets at the top); client: DP-SGD step, fedge "
                         "vs Opacus, beside the FLOP floor; stacks: import time and installed "
@@ -242,6 +242,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "(per stage, busy vs waiting, broker round trips); "
                         "scale: 10,000 and 100,000 registered devices, cohorts of 100 and "
                         "(without --quick) 20 rounds of 1,000: peak RSS, device-rounds/min; "
+                        "workers: one gateway's rounds over 1 and 2 worker processes (shared "
+                        "subscriptions) over mosquitto: device-rounds/min, same sums; "
                         "accountant: fedge vs dp_accounting; ledger: epsilon_if on a durable "
                         "ledger of 10,000 entries; secagg: one full SecAgg+ "
                         "round vs the mask PRG's floor (needs --clients, --dim, --dropout); "
@@ -358,6 +360,10 @@ def _bench(args: argparse.Namespace) -> int:
         from tools.bench.scale import run_scale_bench
 
         result = {"scale": run_scale_bench(quick=args.quick)}
+    elif args.what == "workers":
+        from tools.bench.workers import run_workers_bench
+
+        result = {"workers": run_workers_bench(quick=args.quick)}
     elif args.what == "small-upload":
         from tools.bench.small_upload import run_small_upload_bench
 

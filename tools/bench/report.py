@@ -148,6 +148,9 @@ TARGETS += (
                           "(memory grows with the cohort, not the fleet)",
            section="scale", where={"registered": 100_000, "cohort": 100},
            key="rss_vs_small_fleet", op="<=", bound=1.5),
+    Target(issue=19, what="one gateway, 2 worker processes vs 1: device-rounds/min "
+                          "(faster: > 1)",
+           section="workers", where={"workers": 2}, key="vs_one_worker", op=">=", bound=1.0),
     Target(issue=18, what="logreg (650 parameters), cohort 10: bytes per upload / float32",
            section="small_upload",
            where={"model": "logreg", "cohort": 10, "protocol": "amortized"},
@@ -292,6 +295,11 @@ def _sections(quick: bool) -> list[Section]:
 
         return run_scale_bench(quick=quick, out=out)
 
+    def workers(out: TextIO) -> Any:
+        from tools.bench.workers import run_workers_bench
+
+        return run_workers_bench(quick=quick, out=out)
+
     def envelope(out: TextIO) -> Any:
         from tools.bench.envelope import run_envelope_bench
 
@@ -312,6 +320,8 @@ def _sections(quick: bool) -> list[Section]:
                 "mosquitto", round_timeline),
         Section("scale", "4c. 100,000 registered devices: memory and device-rounds/min "
                 "by cohort", scale),
+        Section("workers", "4d. One gateway over 1 and 2 worker processes (MQTT v5 shared "
+                "subscriptions)", workers),
         Section("wire", "5. Bytes per upload vs float32 FedAvg", wire),
         Section("small_upload", "5b. A small model's bytes per round: SecAgg+ vs the "
                 "amortized protocol", small_upload),
