@@ -4,6 +4,8 @@ each class on the right)::
     AggregatorError
      +-- SnapshotError          a round-machine snapshot that cannot be restored
      |                          (malformed, another policy or aggregator key)   (rounds)
+     +-- SiteSnapshotError      a site's snapshot that cannot be restored
+     |                          (malformed, another site, key or gateways)      (site)
      +-- CheckpointCorrupted    the checkpoint file is missing, truncated or fails its
                                 checksum                                        (store)
 

@@ -26,6 +26,8 @@ __all__ = [
     "fedavgm",
     "fedspa",
     "fedyogi",
+    "state_leaves",
+    "state_rebuild",
 ]
 
 
@@ -189,3 +191,37 @@ OPTIMIZERS: dict[str, Callable[..., ServerOptimizer]] = {
     "fedadagrad": fedadagrad,
     "fedspa": fedspa,
 }
+
+
+def state_leaves(tree: Any) -> list[np.ndarray]:
+    """An optimizer state's arrays, depth first (what a snapshot stores).
+
+    Raises:
+        ValueError: a leaf that is not an array.
+    """
+    if isinstance(tree, np.ndarray):
+        return [tree]
+    if isinstance(tree, tuple | list):
+        return [leaf for item in tree for leaf in state_leaves(item)]
+    raise ValueError(f"optimizer state leaves must be arrays, got {type(tree).__name__}")
+
+
+def state_rebuild(template: Any, leaves: list[np.ndarray]) -> Any:
+    """The state of ``template``'s shape (an ``init`` result) from ``leaves`` (consumed
+    from the front; :func:`state_leaves` order).
+
+    Raises:
+        ValueError: a leaf of another shape than the template's, or too few leaves.
+    """
+    if isinstance(template, np.ndarray):
+        if not leaves:
+            raise ValueError("optimizer state has fewer leaves than the optimizer")
+        leaf = leaves.pop(0)
+        if leaf.shape != template.shape:
+            raise ValueError(f"optimizer state leaf of shape {leaf.shape}, the model "
+                             f"needs {template.shape}")
+        return leaf
+    items = [state_rebuild(t, leaves) for t in template]
+    if hasattr(template, "_fields"):  # NamedTuple
+        return type(template)(*items)
+    return type(template)(items)

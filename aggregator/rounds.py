@@ -85,7 +85,7 @@ import numpy as np
 
 from aggregator.errors import AggregatorError
 from aggregator.guard import FloodGuard, FloodLimits
-from aggregator.optimizers import OPTIMIZERS
+from aggregator.optimizers import OPTIMIZERS, state_leaves, state_rebuild
 from aggregator.round_core import (
     RoundPolicy,
     check_plannable,
@@ -335,27 +335,6 @@ class _Round:
     resends: int = 0
     # each member's remaining epsilon as stated in the check-in it was selected on
     remaining: dict[str, float] = field(default_factory=dict)
-
-
-def _tree_leaves(tree: Any) -> list[np.ndarray]:
-    if isinstance(tree, np.ndarray):
-        return [tree]
-    if isinstance(tree, tuple | list):
-        return [leaf for item in tree for leaf in _tree_leaves(item)]
-    raise ValueError(f"optimizer state leaves must be arrays, got {type(tree).__name__}")
-
-
-def _tree_rebuild(template: Any, leaves: list[np.ndarray]) -> Any:
-    if isinstance(template, np.ndarray):
-        leaf = leaves.pop(0)
-        if leaf.shape != template.shape:
-            raise SnapshotError(f"optimizer state leaf of shape {leaf.shape}, the model "
-                                f"needs {template.shape}")
-        return leaf
-    items = [_tree_rebuild(t, leaves) for t in template]
-    if hasattr(template, "_fields"):  # NamedTuple
-        return type(template)(*items)
-    return type(template)(items)
 
 
 def _down_device(topic: str) -> str:
@@ -1098,7 +1077,7 @@ class RoundMachine:
             "model_round": self._model_round,
             "last_round": self._last_round,
             "params": [WireArray.of(p).to_wire() for p in self._params],
-            "opt_state": [WireArray.of(a).to_wire() for a in _tree_leaves(self._opt_state)],
+            "opt_state": [WireArray.of(a).to_wire() for a in state_leaves(self._opt_state)],
             "update_clip": self._update_clip,
             "available": [wire.encode(c) for _, c in sorted(self._available.items())],
             "startable_since": self._startable_since,
@@ -1203,7 +1182,7 @@ class RoundMachine:
         m = cls(policy=policy, identity=identity, registry=registry, params=params,
                 random_bytes=random_bytes, checkpoint=checkpoint)
         leaves = [WireArray.from_wire(a, lim).to_numpy() for a in s["opt_state"]]
-        m._opt_state = _tree_rebuild(m._opt.init(m._params), leaves)
+        m._opt_state = state_rebuild(m._opt.init(m._params), leaves)
         if leaves:
             raise SnapshotError("optimizer state has more leaves than the optimizer")
         m._version = s["version"]

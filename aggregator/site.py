@@ -80,7 +80,7 @@ import msgpack
 import numpy as np
 
 from aggregator.errors import AggregatorError
-from aggregator.optimizers import OPTIMIZERS
+from aggregator.optimizers import OPTIMIZERS, state_leaves, state_rebuild
 from aggregator.round_core import (
     RoundPolicy,
     eligible_devices,
@@ -625,8 +625,6 @@ class SiteMachine:
 
     def snapshot(self) -> bytes:
         """The whole state as deterministic msgpack bytes (:meth:`restore` reads it)."""
-        from aggregator.rounds import _tree_leaves
-
         r = self._round
         state = {
             "format": _SNAPSHOT_FORMAT, "v": _SNAPSHOT_VERSION,
@@ -635,7 +633,7 @@ class SiteMachine:
             "version": self._version, "model_round": self._model_round,
             "last_round": self._last_round,
             "params": [wire.WireArray.of(p).to_wire() for p in self._params],
-            "opt_state": [wire.WireArray.of(a).to_wire() for a in _tree_leaves(self._opt_state)],
+            "opt_state": [wire.WireArray.of(a).to_wire() for a in state_leaves(self._opt_state)],
             "round": None if r is None else {
                 "announce": wire.encode(r.announce), "deadline": r.deadline,
                 "sums": [[k, wire.encode(m)] for k, m in sorted(r.sums.items())],
@@ -662,8 +660,6 @@ class SiteMachine:
         Raises:
             SiteSnapshotError: malformed, or taken by another site, key or gateway set.
         """
-        from aggregator.rounds import _tree_rebuild
-
         try:
             s = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
             if s.get("format") != _SNAPSHOT_FORMAT or s.get("v") != _SNAPSHOT_VERSION:
@@ -680,7 +676,7 @@ class SiteMachine:
                     start_gate=start_gate, checkpoint=checkpoint, jobs=jobs,
                     registry=registry)
             leaves = [wire.WireArray.from_wire(a, lim).to_numpy() for a in s["opt_state"]]
-            m._opt_state = _tree_rebuild(m._opt.init(m._params), leaves)
+            m._opt_state = state_rebuild(m._opt.init(m._params), leaves)
             m._version, m._model_round = int(s["version"]), int(s["model_round"])
             m._last_round = int(s["last_round"])
             m._model_msg = m._sign_model()

@@ -146,12 +146,13 @@ def golden_messages() -> dict[str, wire.Message]:
         # for gateway "dev-a"
         "site_round": wire.sign(wire.SiteRound(round_id=7, model_version=3,
                                                round_seed=bytes(range(32, 64)),
-                                               deadline_s=300.0), agg),
+                                               deadline_s=300.0, cohort=cfg.cohort, job=1),
+                                agg),
         "gateway_sum": wire.sign(wire.GatewaySum(
             round_id=7, sender="dev-a", model_version=3, mechanism="gaussian", params=params,
             round_seed=bytes(range(32, 64)), bits=32, length=5, cohort=cfg.cohort,
             survivors=3, total=wire.WireArray.of(np.array([1, 2, 3, 4, 2**32 - 1],
-                                                          np.uint32))), devs[0]),
+                                                          np.uint32)), job=1), devs[0]),
         **_secagg_messages(),
     }
 
