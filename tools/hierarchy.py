@@ -25,11 +25,10 @@ over its own cohort (:class:`StratifiedDropouts` gives the flat twin the same vi
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import numpy as np
 
@@ -49,7 +48,7 @@ from models import manifest_path
 from tools.datasets import Dataset, load_dataset
 from tools.dropouts import DropoutSchedule
 from tools.evaluate import evaluate
-from tools.fleet import Fleet, shard_indices
+from tools.fleet import DROP_STAGES, Fleet, shard_indices
 from tools.inproc import MemoryBroker
 from tools.seeding import round_random_bytes, seeded_bytes
 from tools.simconfig import SimConfig, round_policy
@@ -214,12 +213,11 @@ class Hierarchy:
 
     def __init__(self, cfg: SimConfig, workdir: str | Path, *, gateways: int,
                  round_timeout: float = 600.0,
-                 kill: tuple[int, int, str] | None = None, out: TextIO | None = None) -> None:
+                 kill: tuple[int, int, str] | None = None) -> None:
         if cfg.transport != "inproc":
             raise ValueError(f"the hierarchy simulates transport 'inproc', got {cfg.transport!r}")
         self.cfg = cfg
         self.workdir = Path(workdir)
-        self.out = sys.stderr if out is None else out
         self.data = load_dataset(cfg.dataset)
         spec = build_spec(cfg.model, self.data.input_shape, self.data.num_classes)
         self.engine = spec, load_engine(manifest_path(spec.name, spec.input_shape,
@@ -254,16 +252,16 @@ class Hierarchy:
         """The same devices as one flat gateway: cohort = the union of what the gateways
         draw (rounds in which a gateway was lost leave its group out), the same dropouts,
         under the gateways' policy with the site's total cohort."""
-        groups = [[f.names[i] for i in range(len(f.names))] for f in self.fleets]
-        total = sum(len(g) for g in groups)
+        members = [list(f.names) for f in self.fleets]
+        total = sum(len(m) for m in members)
         policy = dataclasses.replace(self.policy, cohort_size=min(
             total, len(self.fleets) * self.policy.cohort_size), sum_cohort=None)
         skip = {r: {g} for r, g in self.killed.items()}
         scheds = [s for s in self.schedules if s is not None]
-        schedule = (StratifiedDropouts(groups, [DropoutSchedule(s.fraction, s.seed)
-                                                for s in scheds]) if scheds else None)
+        schedule = (StratifiedDropouts(members, [DropoutSchedule(s.fraction, s.seed)
+                                                 for s in scheds]) if scheds else None)
         return Fleet(self.cfg, workdir, data=self.data, engine=self.engine, policy=policy,
-                     select=stratified_select(groups, self.policy, skip=skip),
+                     select=stratified_select(members, self.policy, skip=skip),
                      schedule=schedule)
 
     # -- running -------------------------------------------------------------------------
@@ -322,8 +320,7 @@ class Hierarchy:
         if self.kill is None:
             return
         r_kill, g, stage = self.kill
-        kinds = {"keys": "plan", "shares": "neighbour_keys", "masked": "forwarded_shares",
-                 "unmask": "unmask_request"}
+        kinds = DROP_STAGES  # the stage -> the downlink kind that opens it
         b = brokers[g]
         previous = b.drop
         site_round = wire.gateway_up_topic(SITE_NAME, self.names[g], "gateway_sum")

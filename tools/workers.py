@@ -25,12 +25,11 @@ the round and the job's cohort.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import numpy as np
 
@@ -104,12 +103,11 @@ class Workers:
     """
 
     def __init__(self, cfg: SimConfig, workdir: str | Path, *, workers: int,
-                 jobs: int | None = None, out: TextIO | None = None) -> None:
+                 jobs: int | None = None) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.cfg = cfg
         self.workdir = Path(workdir)
-        self.out = sys.stderr if out is None else out
         self.data = load_dataset(cfg.dataset)
         spec = build_spec(cfg.model, self.data.input_shape, self.data.num_classes)
         self.engine = spec, load_engine(manifest_path(spec.name, spec.input_shape,
