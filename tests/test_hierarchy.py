@@ -34,11 +34,7 @@ def _pair(tmp: Path, **settings: Any) -> tuple[Hierarchy, dict[str, Any], dict[s
     h = Hierarchy(cfg, tmp / "site", gateways=2, **settings)
     try:
         site = h.run()
-        twin = h.flat_twin(tmp / "flat")
-        try:
-            flat = twin.run()
-        finally:
-            twin.close()
+        flat = h.run_flat_twin(tmp / "flat")
     finally:
         h.close()
     return h, site, flat

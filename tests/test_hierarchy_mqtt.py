@@ -31,11 +31,7 @@ def _flat_sha(tmp: Path, cfg: SimConfig, kill: tuple[int, int, str] | None
     h = Hierarchy(cfg, tmp / "sim", gateways=2, kill=kill, round_timeout=3600.0)
     try:
         sim = h.run()
-        twin = h.flat_twin(tmp / "flat")
-        try:
-            flat = twin.run()
-        finally:
-            twin.close()
+        flat = h.run_flat_twin(tmp / "flat")
     finally:
         h.close()
     assert sim["model_sha256"] == flat["model_sha256"]

@@ -318,6 +318,16 @@ class _RoundRecord:
     meter_before: dict[str, int]
 
 
+def data_and_engine(cfg: SimConfig) -> tuple[Dataset, tuple[ModelSpec, Engine]]:
+    """``cfg``'s dataset, and its model's spec with the engine that runs it (one engine for
+    every simulated device of a process)."""
+    data = load_dataset(cfg.dataset)
+    spec = build_spec(cfg.model, data.input_shape, data.num_classes)
+    return data, (spec, load_engine(manifest_path(spec.name, spec.input_shape,
+                                                  spec.num_classes),
+                                    backend=cfg.backend, threads=cfg.threads))
+
+
 def aggregator_identity(seed: int, gateway: str | None = None) -> secagg.AggregatorIdentity:
     """The simulated fleet's aggregator key (seeded: simulation only), or gateway
     ``gateway``'s in a site (``tools.hierarchy``; the site knows its gateways' keys as a

@@ -41,21 +41,18 @@ from aggregator.site import (
     Upstream,
 )
 from edge_sdk import secagg, wire
-from edge_sdk.engine import load_engine
-from edge_sdk.model import build_spec
 from edge_sdk.wire import Publish
-from models import manifest_path
-from tools.datasets import Dataset, load_dataset
+from tools.datasets import Dataset
 from tools.dropouts import DropoutSchedule
 from tools.evaluate import evaluate
-from tools.fleet import DROP_STAGES, Fleet, shard_indices
+from tools.fleet import DROP_STAGES, Fleet, data_and_engine, shard_indices
 from tools.inproc import MemoryBroker
 from tools.seeding import round_random_bytes, seeded_bytes
 from tools.simconfig import SimConfig, round_policy
 from tools.summary import model_sha256
 
-__all__ = ["Hierarchy", "MemoryBridge", "SITE", "SiteAgent", "SITE_NAME", "StratifiedDropouts",
-           "gateway_names", "gateway_policy", "groups", "site_identity",
+__all__ = ["SITE", "SITE_NAME", "Hierarchy", "MachineAgent", "MemoryBridge", "SiteAgent",
+           "StratifiedDropouts", "gateway_names", "gateway_policy", "groups", "site_identity",
            "stratified_select"]
 
 SITE_NAME = "site"
@@ -171,12 +168,14 @@ class MemoryBridge:
         self.outward, self.inward = _Out(), _In()
 
 
-class SiteAgent:
-    """The site endpoint: the machine, its events collected."""
+class MachineAgent:
+    """A transport endpoint around a sans-I/O machine (``SiteMachine``, ``RoundMachine``):
+    its four endpoint methods, and each of its events handed to ``on_event`` before the
+    call's messages go out (so a driver can subscribe before a round's plans leave)."""
 
-    def __init__(self, machine: SiteMachine) -> None:
+    def __init__(self, machine: Any, on_event: Any = None) -> None:
         self.machine = machine
-        self.ended: list[SiteOutcome] = []
+        self.on_event = on_event
 
     def subscriptions(self) -> list[str]:
         return self.machine.subscriptions()
@@ -192,9 +191,24 @@ class SiteAgent:
 
     def _out(self, out: list[Publish]) -> list[Publish]:
         for ev in self.machine.take_events():
-            if isinstance(ev, SiteRoundEnded):
-                self.ended.append(ev.outcome)
+            self.event(ev)
         return out
+
+    def event(self, ev: Any) -> None:
+        if self.on_event is not None:
+            self.on_event(ev)
+
+
+class SiteAgent(MachineAgent):
+    """The site endpoint: the machine, the outcomes of its ended rounds collected."""
+
+    def __init__(self, machine: SiteMachine) -> None:
+        super().__init__(machine)
+        self.ended: list[SiteOutcome] = []
+
+    def event(self, ev: Any) -> None:
+        if isinstance(ev, SiteRoundEnded):
+            self.ended.append(ev.outcome)
 
 
 class Hierarchy:
@@ -218,11 +232,7 @@ class Hierarchy:
             raise ValueError(f"the hierarchy simulates transport 'inproc', got {cfg.transport!r}")
         self.cfg = cfg
         self.workdir = Path(workdir)
-        self.data = load_dataset(cfg.dataset)
-        spec = build_spec(cfg.model, self.data.input_shape, self.data.num_classes)
-        self.engine = spec, load_engine(manifest_path(spec.name, spec.input_shape,
-                                                      spec.num_classes),
-                                        backend=cfg.backend, threads=cfg.threads)
+        self.data, self.engine = data_and_engine(cfg)
         self.groups = groups(cfg.devices, gateways)
         self.names = gateway_names(gateways)
         self.site_id = site_identity(cfg.seed)
@@ -263,6 +273,14 @@ class Hierarchy:
         return Fleet(self.cfg, workdir, data=self.data, engine=self.engine, policy=policy,
                      select=stratified_select(members, self.policy, skip=skip),
                      schedule=schedule)
+
+    def run_flat_twin(self, workdir: str | Path) -> dict[str, Any]:
+        """:meth:`flat_twin` run (after :meth:`run`), closed; its summary."""
+        twin = self.flat_twin(workdir)
+        try:
+            return twin.run()
+        finally:
+            twin.close()
 
     # -- running -------------------------------------------------------------------------
 

@@ -90,17 +90,13 @@ def run_site_command(args: argparse.Namespace) -> int:
               f"{summary['model_sha256'][:16]}")
         status = 0
         if args.check_flat:
-            twin_src = Hierarchy(cfg, work / "sim", gateways=args.gateways, kill=args.kill,
-                                 round_timeout=args.round_timeout)
+            sim = Hierarchy(cfg, work / "sim", gateways=args.gateways, kill=args.kill,
+                            round_timeout=args.round_timeout)
             try:
-                twin_src.run()
-                twin = twin_src.flat_twin(work / "flat")
-                try:
-                    flat = twin.run()
-                finally:
-                    twin.close()
+                sim.run()  # the cohorts (and any lost gateway) the flat run takes
+                flat = sim.run_flat_twin(work / "flat")
             finally:
-                twin_src.close()
+                sim.close()
             same = flat["model_sha256"] == summary["model_sha256"]
             summary["flat_model_sha256"] = flat["model_sha256"]
             print(f"one flat gateway with the same cohorts: model sha256 "

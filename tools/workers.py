@@ -37,12 +37,8 @@ from aggregator.plain_sum import STAGES
 from aggregator.round_core import RoundPolicy
 from aggregator.rounds import RoundEnded, RoundMachine, RoundStarted
 from aggregator.site import SiteMachine, SiteOutcome, SitePolicy, Upstream
-from edge_sdk.engine import load_engine
-from edge_sdk.model import build_spec
-from models import manifest_path
-from tools.datasets import load_dataset
 from tools.evaluate import evaluate
-from tools.fleet import AggregatorAgent, Fleet, shard_indices
+from tools.fleet import AggregatorAgent, Fleet, data_and_engine, shard_indices
 from tools.hierarchy import SiteAgent, site_identity
 from tools.inproc import MemoryBroker
 from tools.seeding import round_random_bytes, seeded_bytes
@@ -108,11 +104,7 @@ class Workers:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.cfg = cfg
         self.workdir = Path(workdir)
-        self.data = load_dataset(cfg.dataset)
-        spec = build_spec(cfg.model, self.data.input_shape, self.data.num_classes)
-        self.engine = spec, load_engine(manifest_path(spec.name, spec.input_shape,
-                                                      spec.num_classes),
-                                        backend=cfg.backend, threads=cfg.threads)
+        self.data, self.engine = data_and_engine(cfg)
         self.names = worker_names(workers)
         self.jobs = workers if jobs is None else jobs
         self.policy = worker_policy(cfg, self.data, self.jobs)

@@ -28,11 +28,10 @@ from typing import Any
 from aggregator.rounds import RoundEnded, RoundMachine, RoundStarted
 from aggregator.site import SiteMachine, SitePolicy, Upstream
 from edge_sdk import secagg, wire
-from edge_sdk.wire import Publish
 from tools.broker import Broker, read_broker_config
 from tools.datasets import load_dataset
 from tools.fleet import Fleet, aggregator_identity, initial_params
-from tools.hierarchy import SiteAgent, site_identity
+from tools.hierarchy import MachineAgent, SiteAgent, site_identity
 from tools.seeding import round_random_bytes, seeded_bytes
 from tools.simconfig import FLEET_NAME, SimConfig
 from tools.summary import model_sha256
@@ -59,35 +58,6 @@ def _address(root: Path) -> tuple[Any, Any]:
     bc = read_broker_config(root / "broker")
     return bc, BrokerAddress(host=bc.host, port=bc.port,
                              ca_file=str(bc.ca_file) if bc.ca_file else None)
-
-
-class _WorkerAgent:
-    """A worker's endpoint: its machine, and the (un)subscriptions of each job's cohort
-    (before the job's plans leave, so the devices' answers find a subscriber)."""
-
-    def __init__(self, name: str, machine: RoundMachine) -> None:
-        self.name, self.machine = name, machine
-        self.loop: Any = None
-
-    def subscriptions(self) -> list[str]:
-        return self.machine.subscriptions()
-
-    def on_connect(self, now: float) -> list[Publish]:
-        return self._out(self.machine.on_connect(now))
-
-    def on_message(self, topic: str, payload: bytes, now: float) -> list[Publish]:
-        return self._out(self.machine.on_message(topic, payload, now))
-
-    def on_tick(self, now: float) -> list[Publish]:
-        return self._out(self.machine.on_tick(now))
-
-    def _out(self, out: list[Publish]) -> list[Publish]:
-        for ev in self.machine.take_events():
-            if isinstance(ev, RoundStarted):
-                self.loop.subscribe(self.name, self.machine.round_subscriptions(ev.cohort))
-            elif isinstance(ev, RoundEnded):
-                self.loop.unsubscribe(self.name, self.machine.round_subscriptions(ev.cohort))
-        return out
 
 
 def run_coordinator(spec: dict[str, Any]) -> dict[str, Any]:
@@ -153,11 +123,16 @@ def run_worker(spec: dict[str, Any], index: int) -> None:
         upstream=Upstream(site=FLEET_NAME, gateway=name,
                           site_key=site_identity(cfg.seed).public_key),
         share=SHARE_GROUP)
-    agent = _WorkerAgent(name, machine)
     bc, address = _address(root)
     done = root / "done"
     with MqttLoop(address, rng=random.Random(cfg.seed + index)) as loop:
-        agent.loop = loop
+        def on_event(ev: Any) -> None:  # a job's cohort's uplinks, before its plans leave
+            if isinstance(ev, RoundStarted):
+                loop.subscribe(name, machine.round_subscriptions(ev.cohort))
+            elif isinstance(ev, RoundEnded):
+                loop.unsubscribe(name, machine.round_subscriptions(ev.cohort))
+
+        agent = MachineAgent(machine, on_event)
         loop.add(ClientConfig(username=name, password=bc.password(name), max_inflight=100),
                  agent)
         loop.run(until=done.exists, timeout=float(spec["timeout"]))
