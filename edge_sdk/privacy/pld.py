@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -1030,43 +1031,42 @@ class PldAccountant:
         return max(h, width / self._max_bins)
 
     def get_epsilon(self, delta: float) -> float:
-        """Epsilon at ``delta``: the max over the add and remove directions (upper bound).
-
-        The add direction is first bounded by the reversed remove PLD, whose slack is
-        larger (``DiscretePld.reverse``); only if that bound exceeds the remove direction's
-        epsilon is the add direction composed on its own, and the smaller of its two upper
-        bounds taken. Subsampled Gaussians are usually decided by the remove direction:
-        one composition, not two (issue 18).
-        """
+        """Epsilon at ``delta``: the max over the add and remove directions (upper bound;
+        the add direction bounded as in :meth:`_larger`)."""
         if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta <= 1:
             raise ValueError(f"delta must be in (0, 1], got {delta!r}")
-        plds = self._plds()
-        if plds is None:
+        if self._plds() is None:
             return math.inf
-        remove, add = plds
-        eps = remove.get_epsilon(delta)
-        if add is remove:
-            return eps
-        eps_add = add.get_epsilon(delta)
-        if eps_add > eps:
-            eps_add = min(eps_add, self._add_pld().get_epsilon(delta))
-        return max(eps, eps_add)
+        return self._larger(lambda pld: pld.get_epsilon(delta))
 
     def get_delta(self, epsilon: float) -> float:
-        """delta at ``epsilon``: the max over the add and remove directions (upper bound),
-        the add direction bounded as in :meth:`get_epsilon`."""
-        plds = self._plds()
-        if plds is None:
+        """delta at ``epsilon``: the max over the add and remove directions (upper bound;
+        the add direction bounded as in :meth:`_larger`)."""
+        if self._plds() is None:
             if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real) or not (
                 epsilon >= 0
             ):
                 raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
             return 1.0
+        return self._larger(lambda pld: pld.get_delta(epsilon))
+
+    def _larger(self, bound: Callable[[DiscretePld], float]) -> float:
+        """The larger of ``bound`` (an upper bound read off a PLD: epsilon at a delta, or
+        delta at an epsilon) over the two directions.
+
+        The add direction is first bounded by the reversed remove PLD, whose slack is
+        larger (``DiscretePld.reverse``); only if that bound exceeds the remove direction's
+        is the add direction composed on its own, and the smaller of its two upper bounds
+        taken. Subsampled Gaussians are usually decided by the remove direction: one
+        composition, not two (issue 18).
+        """
+        plds = self._plds()
+        assert plds is not None
         remove, add = plds
-        delta = remove.get_delta(epsilon)
+        value = bound(remove)
         if add is remove:
-            return delta
-        delta_add = add.get_delta(epsilon)
-        if delta_add > delta:
-            delta_add = min(delta_add, self._add_pld().get_delta(epsilon))
-        return max(delta, delta_add)
+            return value
+        value_add = bound(add)
+        if value_add > value:
+            value_add = min(value_add, bound(self._add_pld()))
+        return max(value, value_add)
