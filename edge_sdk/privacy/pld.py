@@ -21,15 +21,20 @@ the floating-point error of the FFT convolutions is carried along and added to d
 Speed (issue 18). n runs of one step are composed by squaring while the operand is
 peaked (its largest entries times their neighbourhood summed by a pairwise tree, only
 the flat remainder by FFT), then, once the error bound of one FFT raised to the
-remaining power is below 5e-11, by that single FFT power on a window sized by Chernoff
-bounds (its outside folds onto it and is also charged to +inf); `fedge bench
-accountant` times it against dp_accounting. The price is a slack of about 1e-10 at
-70,000 steps of q = 1e-3 (5.6e-11 with compensated sums and squaring throughout):
-invisible at delta = 1e-5, 0.03% of epsilon at delta = 1e-8.
+remaining power is below 5e-11, by that single FFT: the last squared operand's DFT
+raised to the remaining power times the DFTs of the operands of the set bits below it
+(no convolution of their own), on a window sized by Chernoff bounds (its outside folds
+onto it and is also charged to +inf). Only the remove direction is composed: the add
+direction is its reversal (:meth:`DiscretePld.reverse`), whose slack is larger, so the
+add direction is composed on its own only where that bound could decide the answer
+(:meth:`PldAccountant.get_epsilon`). `fedge bench accountant` times it against
+dp_accounting. The price is a slack of about 1e-10 at 70,000 steps of q = 1e-3 (5.6e-11
+with compensated sums and squaring throughout): invisible at delta = 1e-5, 0.03% of
+epsilon at delta = 1e-8.
 
 Scope: the Gaussian and the Poisson-subsampled Gaussian under add/remove adjacency; both
 directions (remove: P = (1-q) N(0, z^2) + q N(1, z^2) vs Q = N(0, z^2); add: the reverse)
-are composed separately and the larger epsilon is reported.
+are bounded and the larger epsilon is reported.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -67,6 +73,7 @@ Direction = Literal["remove", "add"]
 
 _TAIL_MASS = 1e-15  # cut from each tail after a convolution (pessimistically)
 _X_TAIL = 8.5  # the per-step grid covers x in [-8.5 z, 1 + 8.5 z]: tails below 1e-17
+_GRID_TAIL = 1e-17  # ... and above x it stops where the P-mass above is that (_upper_x)
 _UNIT_ROUNDOFF = 2.0**-53
 # A sum of n non-negative terms, each with a relative error of a few u, by numpy's pairwise
 # summation: relative error below (log2 n + 16) u < 1e-13 for any n we meet; sums whose
@@ -99,7 +106,10 @@ class DiscretePld:
         offset: the grid index of ``pmf[0]`` (its loss is ``offset * interval``).
         pmf: probability masses (under P) of the losses ``(offset + i) * interval``.
         inf_mass: the mass of the loss +inf (where Q = 0, or tails cut off above).
-        slack: a bound on the l1 floating-point error of ``pmf``, added to every delta.
+        slack: added to every delta: there is a PLD w* of a pair dominating the true one,
+            on this grid range and +inf, with ||w*_finite - pmf||_1 + (w*(+inf) -
+            inf_mass)_+ <= slack (floating-point error, folded tails). Every operation
+            keeps that (:meth:`compose` takes masses as at least 1 for it).
     """
 
     interval: float
@@ -121,7 +131,8 @@ class DiscretePld:
                 "discretize both on the same grid"
             )
         pmf, err = _convolve(self.pmf, None if other is self else other.pmf)
-        mass_a, mass_b = float(self.pmf.sum()), float(other.pmf.sum())
+        # Masses taken as at least 1: part of an operand's slack may sit in its +inf atom.
+        mass_a, mass_b = max(float(self.pmf.sum()), 1.0), max(float(other.pmf.sum()), 1.0)
         slack = self.slack * (mass_b + other.slack) + other.slack * mass_a + err
         inf_mass = 1.0 - (1.0 - self.inf_mass) * (1.0 - other.inf_mass)
         return _truncate(
@@ -140,22 +151,73 @@ class DiscretePld:
         """
         if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
             raise ValueError(f"count must be an integer >= 0, got {count!r}")
-        result = DiscretePld(interval=self.interval, offset=0, pmf=np.ones(1))
         base = self
         n = int(count)
+        factors: list[DiscretePld] = []  # base at the set bits of count passed so far
+        sizes: list[tuple[float, float]] = []  # (mass, l2 norm) of each factor
         # Every level's powering ends in the same distribution: an estimate of its width
         # sizes the FFT in the error bound that decides when to stop squaring (the bound
         # added to slack is recomputed on the true window).
         width = _width_estimate(self, n) if n >= 2 else 0
         while n:
-            if n >= 2 and _power_error(base, n, result, (0, width)) <= _POWER_SLACK:
-                return _fft_power(base, n, result)
+            if n >= 2:
+                parts = [(base, n), *((f, 1) for f in factors)]
+                base_size = _mass_and_norm(base)
+                if _power_error(parts, (0, width), [base_size, *sizes]) <= _POWER_SLACK:
+                    return _fft_power(parts)
             if n & 1:
-                result = result.compose(base)
+                factors.append(base)
+                sizes.append(_mass_and_norm(base))
             n >>= 1
             if n:
                 base = base.compose(base)
+        result = DiscretePld(interval=self.interval, offset=0, pmf=np.ones(1))
+        for f in factors:
+            result = result.compose(f)
         return result
+
+    def reverse(self) -> DiscretePld:
+        """The PLD of the reversed pair (Q, P): the add direction from the remove one.
+
+        With L = log(P/Q) under P (law w, +inf atom included), the reversed pair's loss is
+        -L under Q, and Q has density e^(-l) w(l) at the finite losses and mass
+        1 - sum_l w(l) e^(-l) where P = 0 (loss +inf of the reversed pair). Exact for the
+        pair this PLD stands for, so its delta is an upper bound on the reversed true
+        pair's: reversing a post-processing is a post-processing (Blackwell), so a pair
+        dominating (P, Q) reversed dominates (Q, P). Composing once and reversing replaces
+        composing the second direction (issue 18).
+
+        Soundness with round-off. Every PLD here stands for a dominating pair whose P-law
+        w* lives on this grid range and +inf with (w*(inf) - inf_mass)_+ + ||w*_fin -
+        pmf||_1 <= slack (each operation keeps that; it is what makes ``get_delta``
+        sound). The reversed +inf atom is w*(inf) + sum_l w*(l) (1 - e^(-l)), bounded
+        by inf_mass + sum_l pmf(l) (1 - e^(-l)) (rounded up) plus the error, and its
+        finite part's error is sum_l |w* - pmf|(l) e^(-l): the new slack is
+        max(1, 2 e^(-l_min) - 1) slack (l_min the lowest grid loss) plus the rounding of
+        e^(-l) pmf(l).
+        """
+        pmf = self.pmf
+        ell = self.losses
+        if pmf.size == 0 or -float(ell[0]) > 700.0:  # e^(-l) would overflow: a vacuous PLD
+            return DiscretePld(interval=self.interval, offset=0, pmf=np.zeros(1),
+                               inf_mass=1.0)
+        q_mass = pmf * np.exp(-ell)  # the Q-mass of each loss, within 4 u relative
+        # sum_l pmf(l) (1 - e^(-l)), as one sum over the losses > 0 and one over the rest
+        # (each of terms of one sign, up to round-off) and rounded up: every term is
+        # within 5 u (pmf + Q-mass) of its exact value, the sums within _SUM_RTOL.
+        k = int(np.searchsorted(ell, 0.0, side="right"))
+        pos = float(np.sum(pmf[k:] - q_mass[k:]))
+        neg = float(np.sum(q_mass[:k] - pmf[:k]))
+        total_q = float(q_mass.sum())
+        margin = (_SUM_RTOL * (abs(pos) + abs(neg))
+                  + 8.0 * _UNIT_ROUNDOFF * (float(pmf.sum()) + total_q + self.inf_mass))
+        inf_mass = self.inf_mass + (pos - neg) + margin
+        mirrored = q_mass[::-1].copy()
+        rounding = 4.0 * _UNIT_ROUNDOFF * total_q * (1.0 + _SUM_RTOL)
+        grow = max(1.0, 2.0 * math.exp(-float(ell[0])) - 1.0)
+        return DiscretePld(interval=self.interval, offset=-(self.offset + pmf.size - 1),
+                           pmf=mirrored, inf_mass=min(max(inf_mass, 0.0), 1.0),
+                           slack=grow * self.slack + rounding)
 
     def get_delta(self, epsilon: float) -> float:
         """delta at ``epsilon`` (an upper bound on the true pair's delta)."""
@@ -176,27 +238,51 @@ class DiscretePld:
         if budget <= 0:
             return math.inf
         ell = self.losses
-        keep = (ell > 0) & (self.pmf > 0)
-        ell, w = ell[keep], self.pmf[keep]
-        if w.size == 0:
+        start = int(np.searchsorted(ell, 0.0, side="right"))  # only losses > 0 count
+        ell, w = ell[start:], self.pmf[start:]
+        if not w.any():
             return 0.0
         # excess(eps) = delta(eps) - inf - slack = sum_{l_i > eps} w_i (1 - e^(eps - l_i)),
-        # continuous and decreasing. Locate the grid cell where it crosses the budget
-        # (cumulative sums, the second one in log space so that e^l never overflows), check
-        # the cell with direct sums, then solve exactly inside it.
-        if self._excess(ell, w, 0.0) <= budget:
-            return 0.0
+        # continuous and decreasing; on [l_{j-1}, l_j] only atoms i >= j exceed eps, so
+        # there excess = A_j - e^eps B_j with the suffix sums A_j = sum_{i>=j} w_i and B_j =
+        # sum_{i>=j} w_i e^(-l_i).
+        if float(ell[-1] - ell[0]) >= 700.0:  # e^l would overflow
+            return self._epsilon_in_log_space(ell, w, budget)
+        # Suffix sums by cumsum (sequential: relative error below (n - 1) u for n
+        # non-negative terms), plus the exponentials' few u: rtol bounds them all.
+        rtol = 1.01 * (w.size + 8) * _UNIT_ROUNDOFF
+        a_sums = np.cumsum(w[::-1])[::-1] * (1.0 + rtol)
+        b_sums = np.cumsum((w * np.exp(ell[0] - ell))[::-1])[::-1] * (1.0 - rtol)  # e^l_0 B
+        # Upper bounds on excess(l_j); the first one within budget ends the cell.
+        fits = a_sums - np.exp(ell - ell[0]) * b_sums <= budget
+        if not fits.any():
+            return float(ell[-1])  # excess(l_last) = 0: always within budget
+        j = int(np.argmax(fits))
+        lo = float(ell[j - 1]) if j > 0 else 0.0
+        a, b = float(a_sums[j]), float(b_sums[j])
+        if a <= budget or b <= 0:
+            return lo
+        # A - e^(eps - l_0) (e^l_0 B) = budget, nudged up past the rounding of the log.
+        log_term = math.log((a - budget) / b)
+        eps = float(ell[0]) + log_term
+        eps += 4.0 * _UNIT_ROUNDOFF * (abs(float(ell[0])) + abs(log_term) + 1.0)
+        return max(lo, min(eps, float(ell[j])))
+
+    def _epsilon_in_log_space(self, ell: np.ndarray, w: np.ndarray, budget: float) -> float:
+        """:meth:`get_epsilon` for a loss range too wide for e^l: locate the cell by
+        cumulative sums in log space (only a guide), check it with direct sums, then solve
+        exactly inside it."""
         s1_after = np.append(np.cumsum(w[::-1])[::-1][1:], 0.0)
         with np.errstate(divide="ignore"):
             log_s2 = np.logaddexp.accumulate((np.log(w) - ell)[::-1])[::-1]
-        log_s2_after = np.append(log_s2[1:], -math.inf)
-        at_grid = s1_after - np.exp(ell + log_s2_after)
+        at_grid = s1_after - np.exp(ell + np.append(log_s2[1:], -math.inf))
         j = int(np.argmax(at_grid <= budget))  # the top grid point always qualifies
         while j > 0 and self._excess(ell, w, float(ell[j - 1])) <= budget:
             j -= 1
         while j < ell.size - 1 and self._excess(ell, w, float(ell[j])) > budget:
             j += 1
-        # On [l_{j-1}, l_j] only atoms i >= j exceed eps: excess = A - e^eps B.
+        if j == 0 and self._excess(ell, w, 0.0) <= budget:
+            return 0.0
         a = float(np.sum(w[j:])) * (1.0 + _SUM_RTOL)
         b = float(np.sum(w[j:] * np.exp(-(ell[j:] - ell[j])))) * (1.0 - _SUM_RTOL)
         lo = float(ell[j - 1]) if j > 0 else 0.0
@@ -207,9 +293,10 @@ class DiscretePld:
 
     @staticmethod
     def _excess(ell: np.ndarray, w: np.ndarray, eps: float) -> float:
-        """sum_{l_i > eps} w_i (1 - e^(eps - l_i)), rounded up (see ``_SUM_RTOL``)."""
-        above = ell > eps
-        return float(np.sum(w[above] * -np.expm1(eps - ell[above]))) * (1.0 + _SUM_RTOL)
+        """sum_{l_i > eps} w_i (1 - e^(eps - l_i)) over increasing ``ell``, rounded up (see
+        ``_SUM_RTOL``)."""
+        i = int(np.searchsorted(ell, eps, side="right"))  # ell[i:] > eps
+        return float(np.sum(w[i:] * -np.expm1(eps - ell[i:]))) * (1.0 + _SUM_RTOL)
 
 
 def _convolve(a: np.ndarray, b: np.ndarray | None) -> tuple[np.ndarray, float]:
@@ -350,18 +437,36 @@ def _only(x: np.ndarray, idx: np.ndarray) -> np.ndarray:
     out[idx] = x[idx]
     return out
 
-def _log_mgf(pld: DiscretePld, lam: float, center: float, log_pmf: np.ndarray) -> float:
-    """An upper bound on log sum_i p_i e^(lam (k_i - center)) over the grid indices k_i, for
-    every pmf within l1 distance ``pld.slack`` of ``pld.pmf`` on the same support."""
-    idx = pld.offset + np.arange(pld.pmf.size) - center
-    v = log_pmf + lam * idx
-    top = float(np.max(v))
-    s = top + math.log(float(np.sum(np.exp(v - top))))
+def _log_mgf(pld: DiscretePld, lams: np.ndarray, center: float) -> np.ndarray:
+    """Upper bounds on log sum_i p_i e^(lam (k_i - center)) over the grid indices k_i, one
+    per ``lam``, for every pmf within l1 distance ``pld.slack`` of ``pld.pmf`` on the same
+    support.
+
+    The grid is arithmetic, so the pmf is cut into chunks of B entries: one matrix product
+    with e^(lam j), j < B, sums every chunk (no exponential per entry), and the chunks'
+    sums, weighted by e^(lam (k_chunk - center)), are added in log space. B keeps
+    |lam| j <= 500: no overflow, no underflow.
+    """
+    pmf = pld.pmf
+    size = pmf.size
+    reach = float(np.max(np.abs(lams)))
+    block = max(1, min(256, int(500.0 / reach) if reach > 0 else 256, size))
+    chunks = -(-size // block)
+    padded = np.zeros(chunks * block)
+    padded[:size] = pmf
+    sums = padded.reshape(chunks, block) @ np.exp(np.outer(np.arange(block), lams))
+    starts = pld.offset + block * np.arange(chunks) - center
+    with np.errstate(divide="ignore"):
+        v = np.log(sums) + starts[:, None] * lams[None, :]  # (chunks, lams)
+    top = np.max(v, axis=0)
+    s = top + np.log(np.sum(np.exp(v - top[None, :]), axis=0))
     if pld.slack > 0:
-        far = float(idx[-1] if lam > 0 else idx[0])  # where e^(lam k) is largest
-        s = float(np.logaddexp(s, math.log(pld.slack) + lam * far))
-    # Round-off of the sum and its log: relative error below (size + 2) u, taken generously.
-    return s + 4.0 * (pld.pmf.size + 2) * _UNIT_ROUNDOFF
+        idx_lo, idx_hi = pld.offset - center, pld.offset + size - 1 - center
+        far = np.where(lams > 0, idx_hi, idx_lo)  # where e^(lam k) is largest
+        s = np.logaddexp(s, math.log(pld.slack) + lams * far)
+    # Round-off of the products, sums and logs: relative error below (size + 2) u (the
+    # sums have non-negative terms), taken generously.
+    return s + 4.0 * (size + 2) * _UNIT_ROUNDOFF
 
 
 def _width_estimate(pld: DiscretePld, count: int) -> int:
@@ -376,116 +481,140 @@ def _width_estimate(pld: DiscretePld, count: int) -> int:
     return int(20.0 * math.sqrt(count * var)) + pld.pmf.size
 
 
-def _power_window(base: DiscretePld, power: int, other: DiscretePld) -> tuple[int, int, float]:
+Parts = list[tuple[DiscretePld, int]]  # PLDs and how many times each is composed
+
+
+def _support(parts: Parts) -> tuple[int, int]:
+    """The first and last grid index of the finite part of the composition of ``parts``."""
+    return (sum(c * p.offset for p, c in parts),
+            sum(c * (p.offset + p.pmf.size - 1) for p, c in parts))
+
+
+def _power_window(parts: Parts) -> tuple[int, int, float]:
     """Grid indices [lo, hi] holding all but at most ``_TAIL_MASS`` on each side of the
-    finite part of ``base`` composed ``power`` times with ``other``, and the tail mass charged.
+    finite part of the composition of ``parts``, and the tail mass charged.
 
     Chernoff bounds, mass(k > hi) <= e^(-lam hi) E[e^(lam k)] for every lam > 0 (and the
     mirror image below), evaluated on a geometric set of lam around the Gaussian optimum;
     every moment generating function is bounded from above (:func:`_log_mgf`), so the
     window is valid for the true pmfs, not only for the computed ones.
     """
-    sides = []
-    with np.errstate(divide="ignore"):
-        logs = (np.log(base.pmf), np.log(other.pmf))
-    var, centers = 0.0, []
-    for pld, count in ((base, power), (other, 1)):
+    var, center, stats = 0.0, 0.0, []
+    for pld, count in parts:
         w = pld.pmf / pld.pmf.sum()
         idx = pld.offset + np.arange(pld.pmf.size)
         mean = float(np.dot(w, idx))
-        centers.append(mean)
+        stats.append((pld, count, mean))
+        center += count * mean
         var += count * float(np.dot(w, (idx - mean) ** 2))
-    center = power * centers[0] + centers[1]
     lam0 = math.sqrt(2.0 * math.log(1.0 / _TAIL_MASS)) / max(math.sqrt(var), 1.0)
-    log_tail = math.log(_TAIL_MASS)
-    support = (power * base.offset + other.offset,
-               power * (base.offset + base.pmf.size - 1) + other.offset + other.pmf.size - 1)
-    for sign in (1.0, -1.0):
-        best = math.inf
-        for k in range(-2, 3):
-            lam = sign * lam0 * 2.0**k
-            log_m = (power * _log_mgf(base, lam, centers[0], logs[0])
-                     + _log_mgf(other, lam, centers[1], logs[1]))
-            best = min(best, (log_m - log_tail) / abs(lam))
-        sides.append(best)
-    lo = max(support[0], math.floor(center - sides[1])) if math.isfinite(sides[1]) else support[0]
-    hi = min(support[1], math.ceil(center + sides[0])) if math.isfinite(sides[0]) else support[1]
+    lams = lam0 * 2.0 ** np.arange(-2.0, 3.0)
+    lams = np.concatenate((lams, -lams))
+    log_m = sum(count * _log_mgf(pld, lams, mean) for pld, count, mean in stats)
+    reach = (log_m - math.log(_TAIL_MASS)) / np.abs(lams)  # distance from the center
+    up, down = float(np.min(reach[:5])), float(np.min(reach[5:]))
+    support = _support(parts)
+    lo = max(support[0], math.floor(center - down)) if math.isfinite(down) else support[0]
+    hi = min(support[1], math.ceil(center + up)) if math.isfinite(up) else support[1]
     charged = (_TAIL_MASS if lo > support[0] else 0.0) + (_TAIL_MASS if hi < support[1] else 0.0)
     return lo, hi, charged
 
 
-def _fft_size_for(base: DiscretePld, other: DiscretePld, window: tuple[int, int]) -> int:
-    return _fft_size(max(window[1] - window[0] + 1, base.pmf.size, other.pmf.size))
+def _mass_and_norm(pld: DiscretePld) -> tuple[float, float]:
+    return float(pld.pmf.sum()), float(np.linalg.norm(pld.pmf))
 
 
-def _power_error(
-    base: DiscretePld, power: int, other: DiscretePld, window: tuple[int, int]
-) -> float:
+def _fft_size_for(parts: Parts, window: tuple[int, int]) -> int:
+    return _fft_size(max(window[1] - window[0] + 1, *(p.pmf.size for p, _ in parts)))
+
+
+def _power_error(parts: Parts, window: tuple[int, int],
+                 sizes: list[tuple[float, float]] | None = None) -> float:
     """The l1 round-off bound of :func:`_fft_power` on a window of that size.
 
     With u the unit round-off, N the FFT length, g = c u log2 N the FFT's relative l2
-    error bound (Higham, Accuracy and Stability of Numerical Algorithms, Sec. 24.1),
-    a, b the two pmfs, R >= max |DFT(a)_k| (mass(a) + g sqrt(N) ||a||_2), Rb likewise,
-    P the computed spectrum and T the exact one (Parseval: a spectrum's l2 norm is
-    sqrt(N) that of its vector):
+    error bound (Higham, Accuracy and Stability of Numerical Algorithms, Sec. 24.1), the
+    parts a_j (each raised to m_j), R_j >= max |DFT(a_j)_k| (mass(a_j) + g sqrt(N)
+    ||a_j||_2), Pi = prod_j R_j^(m_j), P the computed spectrum and T the exact one
+    (Parseval: a spectrum's l2 norm is sqrt(N) that of its vector), replacing one factor
+    at a time (the others bounded by R):
 
         ||out - exact||_1 <= sqrt(N) ||out - exact||_2 <= ||P - T||_2 + g ||P||_2,
-        ||P - T||_2 <= m R^(m-1) Rb g sqrt(N) ||a||_2 + g sqrt(N) ||b||_2 + e ||P||_2,
-        ||P||_2 <= R^(m-1) Rb (1 + g) sqrt(N) ||a||_2,
+        ||P - T||_2 <= sum_j m_j (Pi / R_j) g sqrt(N) ||a_j||_2 + e ||P||_2,
+        ||P||_2 <= (Pi / R_j) (1 + g) sqrt(N) ||a_j||_2 for every j (the smallest taken),
 
-    e = 1.01 (m + 1) sqrt(5) u: a complex product's relative error is at most sqrt(5) u
-    (Brent, Percival, Zimmermann 2007), and binary powering's relative errors add along
-    its m - 1 products (and one more for b).
+    e = 1.01 (sum_j m_j + 1) sqrt(5) u: a complex product's relative error is at most
+    sqrt(5) u (Brent, Percival, Zimmermann 2007), and the relative errors add along the
+    products (binary powering needs fewer than m_j for a_j^(m_j)).
+
+    ``sizes``: each part's :func:`_mass_and_norm`, if already known.
     """
-    a, b = base.pmf, other.pmf
-    if not (a.sum() > 0 and b.sum() > 0):  # all mass at +inf: nothing to transform
+    if sizes is None:
+        sizes = [_mass_and_norm(pld) for pld, _ in parts]
+    stats = [(count, *size) for (_, count), size in zip(parts, sizes, strict=True)]
+    if not all(mass > 0 for _, mass, _ in stats):  # all mass at +inf: nothing to transform
         return math.inf
-    n_fft = _fft_size_for(base, other, window)
+    n_fft = _fft_size_for(parts, window)
     g = _FFT_ERROR_CONSTANT * math.log2(max(n_fft, 2)) * _UNIT_ROUNDOFF
     root_n = math.sqrt(n_fft)
-    norm_a, norm_b = float(np.linalg.norm(a)), float(np.linalg.norm(b))
-    r_a = float(a.sum()) + g * root_n * norm_a
-    r_b = float(b.sum()) + g * root_n * norm_b
-    e = 1.01 * (power + 1) * math.sqrt(5.0) * _UNIT_ROUNDOFF
-    p_norm = r_a ** (power - 1) * r_b * (1.0 + g) * root_n * norm_a
-    return (power * r_a ** (power - 1) * r_b * g * root_n * norm_a + g * root_n * norm_b
-            + e * p_norm + g * (1.0 + e) * p_norm)
+    rows = [(count, mass + g * root_n * norm, norm)  # (count, radius R, l2 norm) per part
+            for count, mass, norm in stats]
+    total = math.prod(r**c for c, r, _ in rows)
+    e = 1.01 * (sum(c for c, _, _ in rows) + 1) * math.sqrt(5.0) * _UNIT_ROUNDOFF
+    p_norm = min(total / r * (1.0 + g) * root_n * norm for _, r, norm in rows)
+    spectra = sum(c * total / r * g * root_n * norm for c, r, norm in rows)
+    return spectra + e * p_norm + g * (1.0 + e) * p_norm
 
 
-def _fft_power(base: DiscretePld, power: int, other: DiscretePld) -> DiscretePld:
-    """``base`` composed ``power`` (>= 2) times, then with ``other``, by one FFT: the DFT of
-    ``base`` raised to ``power`` (binary powering, elementwise), times that of ``other``,
+def _fft_power(parts: Parts) -> DiscretePld:
+    """The composition of ``parts`` (each PLD composed its count of times) by one FFT: the
+    product of their DFTs, each raised to its count (binary powering, elementwise),
     transformed back; its round-off bound (:func:`_power_error`) is added to ``slack``.
+
+    Used with the operand of the last squaring raised to the remaining power and the
+    operands of the set bits below it once each: those need no convolution of their own.
 
     The transform is cyclic, of a length N holding the Chernoff window
     (:func:`_power_window`): mass outside it (at most ``_TAIL_MASS`` a side) folds onto
     the window, which only adds non-negative mass, and is also charged to the +inf atom
     (pessimistic twice over).
     """
-    a, b = base.pmf, other.pmf
-    mass_a, mass_b = float(a.sum()), float(b.sum())
-    lo, hi, charged = _power_window(base, power, other)
-    n_fft = _fft_size_for(base, other, (lo, hi))
-    spectrum = np.fft.rfft(a, n_fft)
-    acc = np.fft.rfft(b, n_fft)
-    err = _power_error(base, power, other, (lo, hi))
-    m = power
-    while m:  # acc *= spectrum^power by squaring, in place
-        if m & 1:
-            acc *= spectrum
-        m >>= 1
-        if m:
-            np.multiply(spectrum, spectrum, out=spectrum)
+    lo, hi, charged = _power_window(parts)
+    n_fft = _fft_size_for(parts, (lo, hi))
+    err = _power_error(parts, (lo, hi))
+    acc = None
+    for pld, count in sorted(parts, key=lambda pc: pc[1]):
+        spectrum = np.fft.rfft(pld.pmf, n_fft)
+        m = count
+        while m:  # acc *= spectrum^count by squaring, in place
+            if m & 1:
+                if acc is None:
+                    acc = spectrum.copy() if m > 1 else spectrum
+                else:
+                    acc *= spectrum
+            m >>= 1
+            if m:
+                np.multiply(spectrum, spectrum, out=spectrum)
     cyclic = np.fft.irfft(acc, n_fft)
     # Linear index k sits at cyclic position (k - start) mod N.
-    start = power * base.offset + other.offset
+    start = _support(parts)[0]
     pmf = np.maximum(np.roll(cyclic, start - lo)[: hi - lo + 1], 0.0)
-    # Input slack: ||a'^m * b' - a^m * b||_1 <= ((ma + sa)^m - ma^m)(mb + sb) + ma^m sb.
-    grown = math.expm1(power * math.log1p(base.slack / mass_a)) if base.slack else 0.0
-    slack = (mass_a ** power * grown * (mass_b + other.slack) + mass_a ** power * other.slack
-             + err)
-    inf_mass = 1.0 - (1.0 - base.inf_mass) ** power * (1.0 - other.inf_mass) + charged
-    return _truncate(DiscretePld(interval=base.interval, offset=lo, pmf=pmf,
+    # Input slack: ||prod_j a'_j^(m_j) - prod_j a_j^(m_j)||_1 <= prod_j (M_j + s_j)^(m_j)
+    # - prod_j M_j^(m_j), the masses M_j taken as at least 1 (part of a slack may sit in
+    # the +inf atom: see DiscretePld.reverse).
+    log_mass, log_grown = 0.0, 0.0
+    for pld, count in parts:
+        mass = max(float(pld.pmf.sum()), 1.0)
+        log_mass += count * math.log(mass)
+        log_grown += count * math.log1p(pld.slack / mass)
+    grown = math.exp(log_mass) * math.expm1(log_grown)
+    # The folded mass (at most `charged`) also sits on the window, where the tails moved
+    # to its ends and to +inf would be: an l1 error of twice that, negligible but charged
+    # (the reversed PLD relies on it; the +inf atom alone covers this direction).
+    slack = grown + err + 2.0 * charged
+    kept = math.prod((1.0 - p.inf_mass) ** c for p, c in parts)
+    inf_mass = 1.0 - kept + charged
+    return _truncate(DiscretePld(interval=parts[0][0].interval, offset=lo, pmf=pmf,
                                  inf_mass=min(inf_mass, 1.0), slack=slack))
 
 
@@ -513,6 +642,7 @@ def _split_core(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return core, rest
 
 
+@functools.lru_cache(maxsize=256)
 def _fft_size(n: int) -> int:
     """The smallest 2^a 3^b 5^c >= n (fast sizes for numpy's FFT)."""
     best = 1 << (n - 1).bit_length()
@@ -611,13 +741,35 @@ def _split(a: np.ndarray, b: np.ndarray, lo_loss: np.ndarray, interval: float) -
     return np.clip(p_hi, 0.0, a)
 
 
+def _upper_x(q: float, z: float) -> float:
+    """The smallest x <= 1 + 8.5 z (to 1e-9 z) above which the remove pair's P-mass,
+    (1 - q) Pr[N(0, z^2) > x] + q Pr[N(1, z^2) > x], is at most 1e-17.
+
+    For a small q the N(1, z^2) component's weight q leaves that tail far below 1e-17 at
+    1 + 8.5 z, and the privacy loss grows linearly in x up there: the cells above x carry
+    almost no mass (a step's truncation would cut them) yet are most of the grid. Any x
+    is sound (the mass above it is the +inf atom); this one only saves the work.
+    """
+    def tail(x: float) -> float:
+        return ((1.0 - q) * 0.5 * math.erfc(x / z / math.sqrt(2.0))
+                + q * 0.5 * math.erfc((x - 1.0) / z / math.sqrt(2.0)))
+
+    lo, hi = 0.0, 1.0 + _X_TAIL * z  # tail(lo) > 1e-17 >= tail(hi)
+    if tail(hi) > _GRID_TAIL:
+        return hi
+    while hi - lo > 1e-9 * z:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if tail(mid) <= _GRID_TAIL else (mid, hi)
+    return hi
+
+
 @functools.lru_cache(maxsize=8)
 def _grid_masses(
     z: float, q: float, interval: float
 ) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray]:
     """The loss grid of the remove pair and the P- and Q-mass of each of its cells (and
     the two tails), shared by both directions (read-only arrays)."""
-    x_bounds = np.array([-_X_TAIL * z, 1.0 + _X_TAIL * z])
+    x_bounds = np.array([-_X_TAIL * z, _upper_x(q, z)])
     l_lo, l_hi = _loss(x_bounds, q, z)
     k_lo, k_hi = math.floor(l_lo / interval), math.ceil(l_hi / interval)
     grid = np.arange(k_lo, k_hi + 1) * interval  # K + 1 end points, K cells
@@ -763,7 +915,7 @@ class PldAccountant:
         adjacency: ``"add_remove"`` (default) or ``"zero_out"``.
     """
 
-    __slots__ = ("_adjacency", "_cache", "_counts", "_interval", "_max_bins")
+    __slots__ = ("_adjacency", "_add_cache", "_cache", "_counts", "_interval", "_max_bins")
 
     def __init__(
         self, *, value_discretization_interval: float | None = None, max_bins: int = 1 << 21,
@@ -786,6 +938,7 @@ class PldAccountant:
         self._max_bins = int(max_bins)
         self._counts: dict[tuple[float, float], int] = {}
         self._cache: tuple[tuple, tuple[DiscretePld, DiscretePld] | None] | None = None
+        self._add_cache: tuple[tuple, DiscretePld] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -818,29 +971,42 @@ class PldAccountant:
                 self._counts[key] = self._counts.get(key, 0) + n
         return self
 
+    def _state(self) -> tuple:
+        return tuple(sorted(self._counts.items()))
+
     def _plds(self) -> tuple[DiscretePld, DiscretePld] | None:
-        """(remove, add) composed PLDs; None when some event has no noise (eps = inf)."""
-        state = tuple(sorted(self._counts.items()))
+        """(remove, add) PLDs, the add one the composed remove PLD reversed (a fast upper
+        bound, :meth:`DiscretePld.reverse`); None when some event has no noise (eps = inf).
+        """
+        state = self._state()
         if self._cache is not None and self._cache[0] == state:
             return self._cache[1]
         result: tuple[DiscretePld, DiscretePld] | None
         if any(z == 0 for (z, _q) in self._counts):
             result = None
         else:
-            h = self._choose_interval()
+            remove = self._compose("remove")
             # With q = 1 throughout, the add pair is the remove pair mirrored: same PLD.
-            directions = ("remove",) if all(q == 1.0 for (_z, q) in self._counts) else (
-                "remove", "add")
-            composed = []
-            for direction in directions:
-                total = DiscretePld(interval=h, offset=0, pmf=np.ones(1))
-                for (z, q), n in state:
-                    step = discretize_subsampled_gaussian(z, q, h, direction=direction)
-                    total = total.compose(_truncate(step).self_compose(n))
-                composed.append(total)
-            result = (composed[0], composed[-1])
+            same = all(q == 1.0 for (_z, q) in self._counts)
+            result = (remove, remove if same else remove.reverse())
         self._cache = (state, result)
         return result
+
+    def _add_pld(self) -> DiscretePld:
+        """The add direction composed on its own (cached): needed only where the reversed
+        remove PLD's larger slack could decide the answer (see :meth:`get_epsilon`)."""
+        state = self._state()
+        if self._add_cache is None or self._add_cache[0] != state:
+            self._add_cache = (state, self._compose("add"))
+        return self._add_cache[1]
+
+    def _compose(self, direction: Direction) -> DiscretePld:
+        h = self._choose_interval()
+        total = DiscretePld(interval=h, offset=0, pmf=np.ones(1))
+        for (z, q), n in self._state():
+            step = discretize_subsampled_gaussian(z, q, h, direction=direction)
+            total = total.compose(_truncate(step).self_compose(n))
+        return total
 
     def _choose_interval(self) -> float:
         """The grid spacing: requested or automatic, coarsened if the loss is too wide.
@@ -865,21 +1031,42 @@ class PldAccountant:
         return max(h, width / self._max_bins)
 
     def get_epsilon(self, delta: float) -> float:
-        """Epsilon at ``delta``: the max over the add and remove directions (upper bound)."""
+        """Epsilon at ``delta``: the max over the add and remove directions (upper bound;
+        the add direction bounded as in :meth:`_larger`)."""
         if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta <= 1:
             raise ValueError(f"delta must be in (0, 1], got {delta!r}")
-        plds = self._plds()
-        if plds is None:
+        if self._plds() is None:
             return math.inf
-        return max(p.get_epsilon(delta) for p in plds)
+        return self._larger(lambda pld: pld.get_epsilon(delta))
 
     def get_delta(self, epsilon: float) -> float:
-        """delta at ``epsilon``: the max over the add and remove directions (upper bound)."""
-        plds = self._plds()
-        if plds is None:
+        """delta at ``epsilon``: the max over the add and remove directions (upper bound;
+        the add direction bounded as in :meth:`_larger`)."""
+        if self._plds() is None:
             if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real) or not (
                 epsilon >= 0
             ):
                 raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
             return 1.0
-        return max(p.get_delta(epsilon) for p in plds)
+        return self._larger(lambda pld: pld.get_delta(epsilon))
+
+    def _larger(self, bound: Callable[[DiscretePld], float]) -> float:
+        """The larger of ``bound`` (an upper bound read off a PLD: epsilon at a delta, or
+        delta at an epsilon) over the two directions.
+
+        The add direction is first bounded by the reversed remove PLD, whose slack is
+        larger (``DiscretePld.reverse``); only if that bound exceeds the remove direction's
+        is the add direction composed on its own, and the smaller of its two upper bounds
+        taken. Subsampled Gaussians are usually decided by the remove direction: one
+        composition, not two (issue 18).
+        """
+        plds = self._plds()
+        assert plds is not None
+        remove, add = plds
+        value = bound(remove)
+        if add is remove:
+            return value
+        value_add = bound(add)
+        if value_add > value:
+            value_add = min(value_add, bound(self._add_pld()))
+        return max(value, value_add)

@@ -230,8 +230,13 @@ def test_roundoff_bound_is_tracked_and_small() -> None:
         PoissonSubsampledGaussian(noise_multiplier=1.0, sample_rate=0.01, steps=1000))
     plds = acc._plds()
     assert plds is not None
-    for pld in plds:
+    remove, reversed_remove = plds
+    for pld in (remove, acc._add_pld()):
         assert 0 < pld.slack < 1e-10
+    # The add direction's fast bound, the remove PLD reversed, carries the remove slack
+    # times max(1, 2 e^(-l_min) - 1) (DiscretePld.reverse).
+    grow = max(1.0, 2.0 * math.exp(-float(remove.losses[0])) - 1.0)
+    assert reversed_remove.slack <= grow * remove.slack * (1 + 1e-9) + 1e-14
     # Small deltas stay finite and ordered.
     eps = [acc.get_epsilon(d) for d in (1e-5, 1e-7, 1e-9)]
     assert eps[0] < eps[1] < eps[2] < math.inf
@@ -263,8 +268,7 @@ def test_fft_power_is_never_below_the_exact_composition(z, q, h, count, directio
 
     step = _truncate(discretize_subsampled_gaussian(z, q, h, direction=direction))
     offset, exact, inf_exact = _exact_self_composition(step, count)
-    identity = DiscretePld(interval=h, offset=0, pmf=np.ones(1))
-    power = _fft_power(step, count, identity)
+    power = _fft_power([(step, count)])
     assert 0 < power.slack < 5e-11 and power.pmf.min() >= 0
     # The round-off bound holds: the computed pmf is within slack of the exact one.
     start = power.offset - offset
@@ -316,3 +320,192 @@ def test_core_and_body_split_as_documented(seed: int) -> None:
     lo, hi = _body(x, core)
     assert lo <= core.min() and hi > core.max()
     assert np.linalg.norm(np.concatenate((x[:lo], x[hi:]))) <= _TAIL_NORM
+
+
+# ------------------------------------ one composition for both directions (DiscretePld.reverse)
+
+
+def _exact_add_delta(p_law: np.ndarray, q_law: np.ndarray, q_only: float, ell: np.ndarray,
+                     eps: float) -> float:
+    """delta of the reversed pair (Q, P) at eps: sum over outcomes of (Q - e^eps P)_+, by
+    the losses' P- and Q-laws (exact sums; no FFT, nothing truncated)."""
+    return q_only + math.fsum(np.maximum(q_law - math.exp(eps) * p_law, 0.0))
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("count", [1, 5, 40])
+def test_reverse_is_never_below_the_exact_add_direction(seed: int, count: int) -> None:
+    """An attacker's check: a pair with grid losses composed exactly by direct convolution
+    of its P-law and of its Q-law; the reversed composed PLD (through the FFT and its
+    truncations) must never report a smaller delta for the reversed pair, nor a smaller
+    epsilon, and be looser by no more than its slack and the cut tails."""
+    h = 0.002
+    rng = np.random.default_rng(seed)
+    p = rng.exponential(size=300) ** 3  # the P-mass of the losses (offset + i) h
+    p_inf = 1e-3 * rng.random()  # P-only (loss +inf)
+    p *= (1.0 - p_inf) / p.sum()
+    # The offset that leaves Q-mass 1 - sum_i p_i e^(-l_i) >= 1e-3 at loss -inf (Q-only).
+    q_at_zero = float(np.sum(p * np.exp(-h * np.arange(p.size))))  # the Q-mass at offset 0
+    offset = math.ceil(math.log(q_at_zero / 0.999) / h)
+    ell = (offset + np.arange(p.size)) * h
+    q = p * np.exp(-ell)
+    q_only = 1.0 - q.sum()
+    assert q_only >= 1e-3 * (1 - 1e-9)
+    pld = DiscretePld(interval=h, offset=offset, pmf=p, inf_mass=p_inf)
+    composed = pld.self_compose(count)
+    reversed_pld = composed.reverse()
+    # Exact laws of the composed loss under P and under Q.
+    p_law, q_law = np.ones(1), np.ones(1)
+    for _ in range(count):
+        p_law, q_law = np.convolve(p_law, p), np.convolve(q_law, q)
+    q_only_n = 1.0 - (1.0 - q_only) ** count
+    ell_n = (count * offset + np.arange(p_law.size)) * h
+    for eps in np.linspace(0.0, 3.0, 31):
+        truth = _exact_add_delta(p_law, q_law, q_only_n, ell_n, float(eps))
+        ours = reversed_pld.get_delta(float(eps))
+        assert ours >= truth
+        assert ours <= (truth + reversed_pld.slack) * (1 + 1e-9) + 1e-12
+    for delta in (1e-2, 1e-4, 1e-6):
+        ours = reversed_pld.get_epsilon(delta)
+        if math.isinf(ours):
+            continue
+        assert _exact_add_delta(p_law, q_law, q_only_n, ell_n, ours) <= delta
+        # The smallest epsilon meeting delta is not far below: the exact delta just under
+        # it is above delta (unless ours is 0).
+        if ours > 1e-6:
+            assert _exact_add_delta(p_law, q_law, q_only_n, ell_n, ours - 1e-3) > delta * (
+                1 - 1e-6) - reversed_pld.slack
+
+
+@pytest.mark.parametrize(("z", "q", "steps"), [(1.0, 0.01, 1000), (0.8, 0.05, 1000),
+                                                (2.0, 0.3, 100), (1.1, 1e-3, 3000)])
+def test_accountant_never_looser_than_composing_both_directions(z, q, steps) -> None:
+    """The add direction by the reversed remove PLD, falling back to its own composition
+    where that bound is too loose (0.8, 0.05: the reversed slack is huge), never reports
+    more than composing both directions, and never less than the remove direction."""
+    acc = PldAccountant().compose(
+        PoissonSubsampledGaussian(noise_multiplier=z, sample_rate=q, steps=steps))
+    plds = acc._plds()
+    assert plds is not None
+    remove, _ = plds
+    both = PldAccountant().compose(
+        PoissonSubsampledGaussian(noise_multiplier=z, sample_rate=q, steps=steps))
+    for delta in (1e-5, 1e-8):
+        ours = acc.get_epsilon(delta)
+        full = max(remove.get_epsilon(delta), both._add_pld().get_epsilon(delta))
+        assert remove.get_epsilon(delta) <= ours <= full
+        assert math.isfinite(ours)
+    for eps in (0.5, 1.0, 4.0):
+        ours = acc.get_delta(eps)
+        full = max(remove.get_delta(eps), both._add_pld().get_delta(eps))
+        assert remove.get_delta(eps) <= ours <= full
+
+
+@pytest.mark.reference
+def test_reversed_add_direction_against_dp_accountings_add_pmf() -> None:
+    """The reversed remove PLD against dp_accounting's own add-direction PLD (pessimistic,
+    composed separately) and its optimistic one: sandwiched."""
+    z, q, steps, h = 1.0, 0.01, 500, 1e-4
+    ours = PldAccountant(value_discretization_interval=h).compose(
+        PoissonSubsampledGaussian(noise_multiplier=z, sample_rate=q, steps=steps))
+    plds = ours._plds()
+    assert plds is not None
+    reversed_add = plds[1]
+    logger = logging.getLogger()
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        bounds = []
+        for pessimistic in (True, False):
+            pld = dp_accounting.pld.privacy_loss_distribution.from_gaussian_mechanism(
+                z, sampling_prob=q, pessimistic_estimate=pessimistic,
+                value_discretization_interval=h, use_connect_dots=pessimistic)
+            bounds.append(pld.self_compose(steps)._pmf_add)
+    finally:
+        logger.setLevel(level)
+    upper, lower = bounds
+    for eps in (0.2, 0.5, 1.0, 1.5):
+        ours_delta = reversed_add.get_delta(eps)
+        assert lower.get_delta_for_epsilon(eps) <= ours_delta
+        assert ours_delta <= upper.get_delta_for_epsilon(eps) * (1 + 1e-3) + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fft_power_of_several_parts_is_never_below_the_exact_composition(seed: int) -> None:
+    """The final FFT raises the last squared operand to its power and multiplies in the
+    operands of the set bits below it: against direct convolution, never below, within
+    the slack."""
+    from edge_sdk.privacy.pld import _fft_power, _truncate
+
+    h = 0.01
+    step = _truncate(discretize_subsampled_gaussian(0.8, 0.05, h))
+    rng = np.random.default_rng(seed)
+    counts = [int(rng.integers(2, 30)), 1, 1, int(rng.integers(1, 3))]
+    parts, exact, offset, inf_exact = [], np.ones(1), 0, 0.0
+    for c in counts:
+        part = step.self_compose(int(rng.integers(1, 4)))
+        parts.append((part, c))
+        for _ in range(c):
+            exact = np.convolve(exact, part.pmf)
+            offset += part.offset
+            inf_exact = 1.0 - (1.0 - inf_exact) * (1.0 - part.inf_mass)
+    power = _fft_power(parts)
+    start = power.offset - offset
+    # Each part is itself computed (slack > 0): only the power's own round-off is tested.
+    own = power.slack - sum(c * p.slack for p, c in parts) * 1.01
+    assert np.abs(power.pmf - exact[start : start + power.pmf.size]).sum() <= power.slack
+    assert own > 0
+    for eps in np.linspace(0.0, float(power.losses[-1]), 25):
+        truth = _delta_of(offset, exact, inf_exact, h, float(eps))
+        assert power.get_delta(float(eps)) >= truth
+
+
+@pytest.mark.parametrize("scale", [1e-4, 0.05, 3.0, 40.0])
+def test_log_mgf_is_an_upper_bound(scale: float) -> None:
+    """The chunked moment generating function (one matrix product per chunk of the grid)
+    against a log-space sum over every entry: never below, and close."""
+    from edge_sdk.privacy.pld import _log_mgf
+
+    rng = np.random.default_rng(1)
+    pmf = rng.exponential(size=1500) ** 4
+    pmf /= pmf.sum()
+    pmf[:200] = 0.0
+    pld = DiscretePld(interval=1.0, offset=-700, pmf=pmf)
+    lams = scale * 2.0 ** np.arange(-2.0, 3.0)
+    lams = np.concatenate((lams, -lams))
+    center = -700 + 810.5
+    ours = _log_mgf(pld, lams, center)
+    idx = -700 + np.arange(pmf.size) - center
+    with np.errstate(divide="ignore"):
+        log_pmf = np.log(pmf)
+    for lam, bound in zip(lams, ours, strict=True):
+        v = log_pmf + lam * idx
+        top = float(np.max(v))
+        exact = top + math.log(math.fsum(np.exp(v - top)))
+        assert exact <= bound <= exact + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_epsilon_search_is_sound_and_tight_on_random_plds(seed: int) -> None:
+    """get_epsilon (suffix sums with a rounding bound; log space for ranges past e^700)
+    against get_delta (direct sums): the delta at the epsilon returned meets the target,
+    and a slightly smaller epsilon does not."""
+    rng = np.random.default_rng(seed)
+    for _ in range(60):
+        n = int(rng.integers(1, 3000))
+        pmf = rng.exponential(size=n) ** float(rng.uniform(1, 6))
+        if rng.random() < 0.3:
+            pmf[rng.random(n) < 0.5] = 0.0
+        pmf /= pmf.sum() * (1 + 0.01 * rng.random())
+        h = float(10 ** rng.uniform(-4, -0.5))  # up to 900 nats wide: both code paths
+        pld = DiscretePld(interval=h, offset=int(rng.integers(-n, n // 2 + 1)), pmf=pmf,
+                          inf_mass=1e-6 * float(rng.random()), slack=1e-9 * float(rng.random()))
+        for delta in (1e-1, 1e-3, 1e-5, 1e-7):
+            eps = pld.get_epsilon(delta)
+            if math.isinf(eps):
+                assert pld.inf_mass + pld.slack >= delta
+                continue
+            assert pld.get_delta(eps) <= delta * (1 + 1e-9)
+            below = eps - 1e-7 * max(1.0, eps)
+            if below > 0:
+                assert pld.get_delta(below) > delta * (1 - 1e-6)

@@ -9,9 +9,10 @@ Each measurement runs in a fresh subprocess (``sys.executable -c``, ``PYTHONPATH
 the repository, one JSON line on stdout), like :mod:`tools.bench.client`: imports are
 excluded from the time, caches are cold, and the memory is that of one computation —
 the process's peak RSS (``ru_maxrss``) minus its RSS right after the imports. Only the
-accounting is timed (compose + get_epsilon, ``time.perf_counter``). Both sides run with
-single-threaded BLAS/OpenMP, and the repetitions are interleaved so machine noise hits
-every side alike.
+accounting is timed (compose + get_epsilon, ``time.perf_counter``, and its CPU time,
+``time.process_time``, steadier on a shared machine). Both sides run with single-threaded
+BLAS/OpenMP, and the repetitions are interleaved so machine noise hits every side alike;
+the load average is printed.
 
 Grids. dp_accounting's PLD runs at its default ``value_discretization_interval`` 1e-4.
 fedge's PLD runs at its default, an automatic grid (1/50 of the smallest per-step loss
@@ -95,9 +96,9 @@ def rss_kib():
 split = {}
 acc = make()
 base = rss_kib()
-t = time.perf_counter()
+t, c = time.perf_counter(), time.process_time()
 eps = run(acc)
-dt = time.perf_counter() - t
+dt, dc = time.perf_counter() - t, time.process_time() - c
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 grid = None
 if impl == "dpa_pld":
@@ -106,7 +107,7 @@ elif impl == "fedge_pld":
     # Private, read only to report the grid actually used (after the timed part).
     choose = getattr(acc, "_choose_interval", None)
     grid = choose() if choose is not None else interval
-print(json.dumps({"s": dt, "eps": eps, "mem_mib": max(peak - base, 0.0) / 1024,
+print(json.dumps({"s": dt, "cpu_s": dc, "eps": eps, "mem_mib": max(peak - base, 0.0) / 1024,
                   "interval": grid, **split}))
 '''
 
@@ -131,6 +132,14 @@ def _child(impl: str, z: float, q: float, steps: int, delta: float) -> dict[str,
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _load() -> str:
+    """The 1, 5 and 15 minute load averages (the machine is shared), or "n/a"."""
+    try:
+        return "/".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
 def sample_rate_for(steps: int) -> float:
     """The benchmark's Poisson rate: 1e-3 from 70,000 steps on, 0.01 below."""
     return 1e-3 if steps >= 70_000 else 0.01
@@ -143,8 +152,9 @@ def run_accountant_bench(
     """Run fedge's accountants against dp_accounting's; print a markdown table; return rows.
 
     Args:
-        quick: one repetition and steps (1000, 70000) in place of the defaults (an
-            explicitly given ``steps_list`` or ``reps`` still wins).
+        quick: steps (1000, 70000) in place of the defaults, still three repetitions: on
+            a shared machine one is too noisy for a ratio (an explicitly given
+            ``steps_list`` still wins).
         steps_list: numbers of composed steps K.
         reps: fresh processes per measurement; times are their median.
         out: where the table goes.
@@ -163,19 +173,20 @@ def run_accountant_bench(
         pld_dpa_grid_speedup, pld_dpa_grid_rel_diff``; and the same on a grid 0.9 x as
         fine, ``fedge_pld_tighter_grid_s, fedge_pld_tighter_grid_eps,
         fedge_pld_tighter_grid_mem_mib, pld_tighter_grid_speedup,
-        pld_tighter_grid_rel_diff``.
+        pld_tighter_grid_rel_diff``; every ``*_s`` also as median CPU seconds ``*_cpu_s``,
+        with ``pld_tighter_grid_cpu_speedup``; ``load_average`` (1/5/15 min) after the
+        repetitions; ``pld_time_split``, where the time goes.
     """
     if quick:
         if steps_list == (1000, 10000, 70000):
             steps_list = (1000, 70000)
-        if reps == 3:
-            reps = 1
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps!r}")
     z, delta = NOISE_MULTIPLIER, DELTA
     print(f"# accountant, fedge vs dp_accounting; {machine()}; Poisson-subsampled Gaussian "
-          f"z={z}, delta={delta:g}; median of {reps} fresh process(es); dp_accounting PLD "
-          f"grid {DP_ACCOUNTING_PLD_INTERVAL:g}, fedge PLD grid automatic", file=out)
+          f"z={z}, delta={delta:g}; median of {reps} fresh process(es), interleaved; "
+          f"dp_accounting PLD grid {DP_ACCOUNTING_PLD_INTERVAL:g}, fedge PLD grid automatic; "
+          f"load average {_load()} at the start", file=out)
     print("| steps | q | fedge RDP s | dp_acc RDP s | RDP speedup | fedge RDP eps "
           "| dp_acc RDP eps | fedge PLD s (grid) | dp_acc PLD s (grid) | PLD speedup "
           "| fedge PLD eps | dp_acc PLD eps | PLD rel diff | fedge >= dp_acc "
@@ -204,6 +215,7 @@ def run_accountant_bench(
                           ("fedge_pld_tighter_grid", "fedge_pld_tighter_grid")):
             times = [r["s"] for r in res[impl]]
             row[f"{key}_s"] = statistics.median(times)
+            row[f"{key}_cpu_s"] = statistics.median(r["cpu_s"] for r in res[impl])
             row[f"{key}_s_min"], row[f"{key}_s_max"] = min(times), max(times)
             row[f"{key}_eps"] = med(impl, "eps")
             row[f"{key}_mem_mib"] = max(r["mem_mib"] for r in res[impl])
@@ -221,13 +233,22 @@ def run_accountant_bench(
         row["pld_tighter_grid_speedup"] = (row["dp_accounting_pld_s"]
                                            / row["fedge_pld_tighter_grid_s"])
         row["pld_tighter_grid_rel_diff"] = row["fedge_pld_tighter_grid_eps"] / d_eps - 1.0
+        # CPU time too: on a shared machine a process waiting for a core inflates its
+        # wall time, not its CPU time, so this ratio is the steadier one.
+        row["pld_tighter_grid_cpu_speedup"] = (row["dp_accounting_pld_cpu_s"]
+                                               / row["fedge_pld_tighter_grid_cpu_s"])
+        row["load_average"] = _load()
         compose = statistics.median(r["compose_s"] for r in res["fedge_pld_tighter_grid"])
         total = row["fedge_pld_tighter_grid_s"]
         row["pld_time_split"] = (
-            f"fedge at the 0.9x grid {1e3 * total:.0f} ms: both directions' PLDs (grid "
-            f"masses, squaring while peaked, one FFT power) {1e3 * compose:.0f} ms, the "
-            f"epsilon search {1e3 * (total - compose):.0f} ms; dp_accounting "
-            f"{1e3 * row['dp_accounting_pld_s']:.0f} ms")
+            f"fedge at the 0.9x grid {1e3 * total:.0f} ms: the remove direction's PLD (grid "
+            f"masses, squaring while peaked, one FFT power; the add direction is its "
+            f"reversal) {1e3 * compose:.0f} ms, both directions' epsilon searches "
+            f"{1e3 * (total - compose):.0f} ms; dp_accounting "
+            f"{1e3 * row['dp_accounting_pld_s']:.0f} ms; in CPU time "
+            f"{1e3 * row['fedge_pld_tighter_grid_cpu_s']:.0f} vs "
+            f"{1e3 * row['dp_accounting_pld_cpu_s']:.0f} ms "
+            f"({row['pld_tighter_grid_cpu_speedup']:.2f}x); load average {row['load_average']}")
         rows.append(row)
         fgrid = row["fedge_pld_interval"]
         fgrid_s = f"{fgrid:.2g}" if fgrid else "auto"
