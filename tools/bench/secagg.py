@@ -29,12 +29,13 @@ Timings (``time.perf_counter``, single process, best of ``reps`` where repeated)
   and nothing else done (no arithmetic, no allocation): the physical floor of the device's
   masking on this machine. Each rep times the masking and then the floor at every chunk
   of :func:`~tools.bench.floors.keystream_chunks` (32 KiB to 512 KiB, and the whole
-  stream when shorter), so the load of a shared machine falls on both, and the floor is
-  the best over all chunks and reps (``keystream_chunk_bytes`` is the chunk that gave it):
-  never slowed by a stream written whole past the caches, and if anything lower than a
-  floor timed as often as the masking. ``client_mask_over_bound`` = ``client_mask_s``
-  (best of reps) / ``prg_bound_s``; ``client_mask_over_bound_median`` is the median over
-  reps of each rep's masking / its fastest floor.
+  stream when shorter), so the load of a shared machine falls on both; the floor is the
+  chunk fastest in the median over reps (``keystream_chunk_bytes``), never slowed by a
+  stream written whole past the caches, and its best over the reps: as many samples as
+  the masking's best (a best over every chunk's samples too would favour the floor by
+  luck alone on a loaded machine). ``client_mask_over_bound`` = ``client_mask_s`` (best
+  of reps) / ``prg_bound_s``; ``client_mask_over_bound_median`` is the median over reps
+  of each rep's masking / that rep's floor at that chunk.
 * ``server_unmask_s``: the aggregator's :meth:`SecAggServer.finalize` in the real run:
   pairwise-seed agreement with each recovered mask key, PRG expansion of every mask that
   does not cancel (one self mask per survivor, one pairwise mask per (dropped device,
@@ -138,10 +139,11 @@ def _client_masking(
     for _ in range(reps):
         mask_times.append(_best(masking, 1))
         floor_times.append({c: _best(floor, 1) for c, floor in floors.items()})
-    chunk = min(floors, key=lambda c: min(t[c] for t in floor_times))
+    # the chunk fastest in the median, then its best: as many samples as the masking's
+    chunk = min(floors, key=lambda c: statistics.median(t[c] for t in floor_times))
     floor_s = min(t[chunk] for t in floor_times)
     ratio_median = statistics.median(
-        m / min(t.values()) for m, t in zip(mask_times, floor_times, strict=True)
+        m / t[chunk] for m, t in zip(mask_times, floor_times, strict=True)
     )
     return min(mask_times), _best(keyagree, reps), floor_s, ratio_median, chunk
 
