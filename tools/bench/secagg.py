@@ -36,6 +36,14 @@ Timings (``time.perf_counter``, single process, best of ``reps`` where repeated)
   luck alone on a loaded machine). ``client_mask_over_bound`` = ``client_mask_s`` (best
   of reps) / ``prg_bound_s``; ``client_mask_over_bound_median`` is the median over reps
   of each rep's masking / that rep's floor at that chunk.
+* ``client_mask_ring_input_s``: the same masking of the same residues already in the
+  ring's dtype (uint32 at b = 32), as ``SecAggClient.mask_input`` hands them to ``mask``
+  after its own check (``client_mask_s`` feeds uint64 residues, so it also times their
+  check and cast); ``client_mask_ring_input_over_bound`` is its ratio to the same floor.
+* ``client_cpu_s``: the same bests in this thread's CPU time (``time.thread_time``), which
+  leaves out the time the process waits for a core on a loaded machine (not the caches
+  other processes evict); ``client_mask_over_bound_cpu`` and
+  ``client_mask_ring_input_over_bound_cpu`` are the ratios in it.
 * ``server_unmask_s``: the aggregator's :meth:`SecAggServer.finalize` in the real run:
   pairwise-seed agreement with each recovered mask key, PRG expansion of every mask that
   does not cancel (one self mask per survivor, one pairwise mask per (dropped device,
@@ -93,6 +101,13 @@ def _best(fn: Any, reps: int) -> float:
     return best
 
 
+def _timed(fn: Any) -> tuple[float, float]:
+    """(wall, CPU) seconds of one call: ``perf_counter`` and this thread's ``thread_time``."""
+    c0, t0 = time.thread_time(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, time.thread_time() - c0
+
+
 def _client_masking(
     *,
     dim: int,
@@ -103,11 +118,10 @@ def _client_masking(
     peers: list[str],
     rng: np.random.Generator,
     reps: int,
-) -> tuple[float, float, float, float, int]:
-    """(masking with derived seeds, key agreement, keystream floor, median of the reps'
-    masking / floor, the floor's chunk in bytes) of one device with ``degree`` neighbours;
-    masking and the floor at every chunk timed in turn each rep; bests as in the module
-    docstring."""
+) -> dict[str, Any]:
+    """The client's timings (module docstring) of one device with ``degree`` neighbours:
+    each rep times the masking of uint64 residues, of the same residues in the ring's dtype
+    and the floor at every chunk, in turn; bests as in the module docstring."""
     sk = X25519PrivateKey.from_private_bytes(rng.bytes(32))
     peer_pks = [
         X25519PrivateKey.from_private_bytes(rng.bytes(32)).public_key() for _ in range(degree)
@@ -118,6 +132,8 @@ def _client_masking(
         if bits < 64
         else rng.integers(0, 2**63, size=dim, dtype=np.uint64)
     )
+    ring = Ring(bits=bits)
+    x_ring = x.astype(ring.dtype)
 
     def keyagree() -> list[bytes]:
         return [derive_pairwise_seed(sk.exchange(pk), context=digest) for pk in peer_pks]
@@ -125,27 +141,33 @@ def _client_masking(
     terms = [(1, self_seed)] + [
         (mask_sign(me, v), s) for v, s in zip(peers, keyagree(), strict=True)
     ]
-
-    def masking() -> None:
-        mask(x, bits=bits, terms=terms)
-
-    nbytes = dim * Ring(bits=bits).dtype.itemsize
-    floors = {c: keystream_pass(degree + 1, nbytes, c) for c in keystream_chunks(nbytes)}
-    masking()  # warm up allocator and cipher code paths
-    for floor in floors.values():
-        floor()
-    mask_times: list[float] = []
-    floor_times: list[dict[int, float]] = []
-    for _ in range(reps):
-        mask_times.append(_best(masking, 1))
-        floor_times.append({c: _best(floor, 1) for c, floor in floors.items()})
+    cases: dict[Any, Any] = {
+        "mask": lambda: mask(x, bits=bits, terms=terms),
+        "ring": lambda: mask(x_ring, bits=bits, terms=terms),
+    }
+    nbytes = dim * ring.dtype.itemsize
+    chunks = keystream_chunks(nbytes)
+    cases.update({c: keystream_pass(degree + 1, nbytes, c) for c in chunks})
+    for fn in cases.values():  # warm up allocator and cipher code paths
+        fn()
+    runs = [{k: _timed(fn) for k, fn in cases.items()} for _ in range(reps)]
     # the chunk fastest in the median, then its best: as many samples as the masking's
-    chunk = min(floors, key=lambda c: statistics.median(t[c] for t in floor_times))
-    floor_s = min(t[chunk] for t in floor_times)
-    ratio_median = statistics.median(
-        m / t[chunk] for m, t in zip(mask_times, floor_times, strict=True)
-    )
-    return min(mask_times), _best(keyagree, reps), floor_s, ratio_median, chunk
+    chunk = min(chunks, key=lambda c: statistics.median(r[c][0] for r in runs))
+
+    def best(key: Any, clock: int) -> float:
+        return min(r[key][clock] for r in runs)
+
+    return {
+        "client_mask_s": best("mask", 0),
+        "client_prg_bound_s": best(chunk, 0),
+        "client_mask_over_bound_median": statistics.median(r["mask"][0] / r[chunk][0]
+                                                           for r in runs),
+        "client_mask_ring_input_s": best("ring", 0),
+        "client_cpu_s": {"mask": best("mask", 1), "mask_ring_input": best("ring", 1),
+                         "floor": best(chunk, 1)},
+        "keystream_chunk_bytes": chunk,
+        "client_keyagree_s": _best(keyagree, reps),
+    }
 
 
 def _server_floor(count: int, dim: int, bits: int, chunk: int, reps: int) -> float:
@@ -282,7 +304,7 @@ def run_secagg_bench(
     exact = total is not None and bool(np.array_equal(total, expected & ring))
     round_s = time.perf_counter() - started
 
-    client_mask_s, client_keyagree_s, client_floor, client_ratio_median, chunk = _client_masking(
+    client = _client_masking(
         dim=dim,
         bits=bits,
         degree=cfg.degree,
@@ -292,6 +314,7 @@ def run_secagg_bench(
         rng=rng,
         reps=max(reps, CLIENT_REPS),
     )
+    chunk = client["keystream_chunk_bytes"]
     server_floor = (
         _server_floor(server_masks, dim, bits, chunk, max(1, reps - 1)) if server_masks else None
     )
@@ -299,28 +322,38 @@ def run_secagg_bench(
     def r6(v: float | None) -> float | None:
         return None if v is None else round(v, 6)
 
+    client_mask_s, client_floor = client["client_mask_s"], client["client_prg_bound_s"]
+    ring_input_s, cpu = client["client_mask_ring_input_s"], client["client_cpu_s"]
     vector_bytes = (dim * bits + 7) // 8
     result: dict[str, Any] = {
         "exact": exact,
         "client_mask_s": round(client_mask_s, 6),
-        "client_keyagree_s": round(client_keyagree_s, 6),
+        "client_keyagree_s": round(client["client_keyagree_s"], 6),
         "server_unmask_s": r6(unmask_s),
         "bytes_up_per_client": sum(sent_bytes.values()),
         "prg_bound_s": round(client_floor, 6),
         "client_prg_bound_s": round(client_floor, 6),
         "server_prg_bound_s": r6(server_floor),
         "client_mask_over_bound": round(client_mask_s / client_floor, 3),
-        "client_mask_over_bound_median": round(client_ratio_median, 3),
+        "client_mask_over_bound_median": round(client["client_mask_over_bound_median"], 3),
+        "client_mask_ring_input_s": round(ring_input_s, 6),
+        "client_mask_ring_input_over_bound": round(ring_input_s / client_floor, 3),
+        "client_cpu_s": {k: round(v, 6) for k, v in cpu.items()},
+        "client_mask_over_bound_cpu": round(cpu["mask"] / cpu["floor"], 3),
+        "client_mask_ring_input_over_bound_cpu": round(cpu["mask_ring_input"] / cpu["floor"], 3),
         "keystream_chunk_bytes": chunk,
         "server_unmask_over_bound": None
         if unmask_s is None or server_floor is None
         else round(unmask_s / server_floor, 3),
         # where the masking time goes (issue 18): the keystream floor, the rest being the
-        # ring additions of the k + 1 masks into the vector and the chunk loop
+        # ring additions of the k + 1 masks into the vector, the input's check and cast from
+        # uint64, and the chunk loop
         "client_time_split": (f"masking {1e3 * client_mask_s:.2f} ms = ChaCha20 keystream "
                               f"floor {1e3 * client_floor:.2f} ms + "
                               f"{1e3 * (client_mask_s - client_floor):.2f} ms of additions "
-                              f"into the vector and loop"),
+                              f"into the vector, the uint64 input's check and cast, and loop "
+                              f"(input already in the ring's dtype: "
+                              f"{1e3 * ring_input_s:.2f} ms)"),
         "server_shamir_s": r6(shamir_s),
         "server_collect_s": round(collect_s, 6),
         "client_stage_s": {k: round(v, 6) for k, v in stage_s.items()},
