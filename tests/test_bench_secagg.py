@@ -125,3 +125,13 @@ def test_grid_does_not_start_a_cell_predicted_over_budget() -> None:
     assert rows[1]["not_run"].startswith("estimated ") and "exact" not in rows[1]
     assert "fedge bench secagg --clients 20000 --dim 1000 --dropout 0`" in rows[1]["not_run"]
     assert "not run: estimated" in out.getvalue()
+
+
+def test_keystream_floor_chunks_and_pass() -> None:
+    from tools.bench.floors import KEYSTREAM_CHUNKS, keystream_chunks, keystream_pass
+
+    assert keystream_chunks(10**9) == sorted(KEYSTREAM_CHUNKS)
+    assert keystream_chunks(100_000) == [1 << 15, 1 << 16, 100_000]  # a short stream whole
+    keystream_pass(3, 70_000, 1 << 15)()  # two full chunks and a partial one
+    with pytest.raises(ValueError, match="chunk >= 1"):
+        keystream_pass(3, 10, 0)

@@ -393,18 +393,53 @@ def test_pairwise_masks_cancel_in_the_sum(bits: int, data: st.DataObject) -> Non
     )
 
 
-@pytest.mark.parametrize("bits", [20, 32, 40])
-def test_mask_streams_the_same_words_as_prg_expand_across_chunks(bits: int) -> None:
-    n = 3 * masking._CHUNK_WORDS + 123  # noqa: SLF001 (several chunks and a partial one)
+@pytest.mark.parametrize("signs", [(1, -1), (-1, 1), (-1, -1)])
+@pytest.mark.parametrize("x_dtype", ["uint64", "ring"])
+@pytest.mark.parametrize("bits", [20, 32, 40, 64])
+def test_mask_streams_the_same_words_as_prg_expand_across_chunks(
+    bits: int, x_dtype: str, signs: tuple[int, int]
+) -> None:
     ring = Ring(bits=bits)
-    x = np.arange(n, dtype=np.uint64) % ring.modulus
+    # several chunks and a partial one
+    n = 3 * (masking._CHUNK_BYTES // ring.dtype.itemsize) + 123  # noqa: SLF001
+    x = (np.arange(n, dtype=np.uint64) * 0x9E3779B97F4A7C15) % np.uint64(ring.modulus - 1)
+    x = x.astype(ring.dtype if x_dtype == "ring" else np.uint64)
     s1, s2 = hashlib.sha256(b"s1").digest(), hashlib.sha256(b"s2").digest()
     # the words at the ring's width, summed in Python integers (no wrap to rely on)
     a, b = (prg.expand(s, n, ring).astype(object) for s in (s1, s2))
-    want = (x.astype(object) + a - b) % ring.modulus
-    got = mask(x, bits=bits, terms=[(1, s1), (-1, s2)])
+    want = (x.astype(object) + signs[0] * a + signs[1] * b) % ring.modulus
+    terms = [(signs[0], s1), (signs[1], s2)]
+    got = mask(x, bits=bits, terms=terms)
     assert got.dtype == ring.dtype
     np.testing.assert_array_equal(got.astype(object), want)
+    np.testing.assert_array_equal(unmask(got, bits=bits, terms=terms), x)
+    if bits < 64:  # an unreduced wider sum unmasks too
+        wide = got.astype(np.uint64) + np.uint64(ring.modulus)
+        np.testing.assert_array_equal(unmask(wide, bits=bits, terms=terms), x)
+
+
+def test_a_big_endian_host_swaps_each_word_once(monkeypatch) -> None:
+    """The words are little-endian by definition; on a big-endian host the masking loop
+    swaps every word it fills, the first term's too. Forced here on a little-endian host,
+    the result is that of byte-swapped words."""
+    monkeypatch.setattr(masking, "_BIG_ENDIAN", True)
+    ring = Ring(bits=32)
+    n = masking._CHUNK_BYTES // 4 + 7  # noqa: SLF001 (two chunks)
+    x = np.arange(n, dtype=np.uint32)
+    s1, s2 = hashlib.sha256(b"s1").digest(), hashlib.sha256(b"s2").digest()
+    a, b = (prg.expand(s, n, ring).byteswap().astype(object) for s in (s1, s2))
+    got = mask(x, bits=32, terms=[(1, s1), (-1, s2)])
+    np.testing.assert_array_equal(got.astype(object), (x.astype(object) + a - b) % 2**32)
+
+
+def test_mask_checks_every_chunk_of_a_wide_input() -> None:
+    n = 2 * (masking._CHUNK_BYTES // 4) + 5  # noqa: SLF001
+    x = np.zeros(n, dtype=np.uint32)
+    x[n - 2] = 1 << 20  # in the last chunk: out of a 20-bit ring, in its uint32 dtype
+    with pytest.raises(ValueError, match=rf"residues in \[0, 2\^20\), got 1048576 at {n - 2}"):
+        mask(x, bits=20, terms=[(1, bytes(32))])
+    x[n - 2] = (1 << 20) - 1
+    assert int(mask(x, bits=20, terms=[]).max()) == (1 << 20) - 1
 
 
 def test_mask_sign_convention() -> None:

@@ -125,7 +125,14 @@ class Keystream:
     """One key's ChaCha20 keystream (module docstring), read in order across calls.
 
     ``into(a)`` then ``into(b)`` fills a and b with consecutive stretches of the stream, so a
-    long stream can be consumed in chunks (the masking loop keeps one per seed).
+    long stream can be consumed in chunks.
+
+    ``xor_into(data, buf)`` is the cipher's own ``update_into``: it writes ``data`` XOR the
+    next ``len(data)`` bytes of the stream into the writable buffer ``buf`` (at least as long
+    as data) and returns that length; with data all zeros it writes the keystream's bytes.
+    It checks nothing beyond the lengths and costs no Python frame, for loops that call it
+    thousands of times per vector (the masking loop keeps one per seed, fills cache-sized
+    chunks and on a big-endian host swaps the words itself).
 
     Args:
         key: the 32-byte key.
@@ -134,10 +141,13 @@ class Keystream:
         ValueError: key not 32 bytes.
     """
 
-    __slots__ = ("_enc",)
+    __slots__ = ("_enc", "xor_into")
 
     def __init__(self, key: bytes) -> None:
         self._enc = Cipher(algorithms.ChaCha20(_check_key(key), _NONCE), mode=None).encryptor()
+        self.xor_into: Callable[[bytes | memoryview, memoryview | np.ndarray], int] = (
+            self._enc.update_into
+        )
 
     def into(self, out: np.ndarray) -> np.ndarray:
         """Fill ``out`` with the next ``out.nbytes`` bytes of the stream, each element read as

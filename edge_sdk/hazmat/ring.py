@@ -68,7 +68,7 @@ class Ring:
             raise ValueError(
                 f"{name} must be a 1-D integer array, got dtype {a.dtype} shape {a.shape}"
             )
-        if a.size and (int(a.min()) < 0 or int(a.max()) >> self.bits):
+        if a.size and ((a.dtype.kind == "i" and int(a.min()) < 0) or int(a.max()) >> self.bits):
             bad = next(i for i, v in enumerate(a.tolist()) if v < 0 or v >> self.bits)
             raise ValueError(
                 f"{name} must hold residues in [0, 2^{self.bits}), got {a[bad]} at {bad}"

@@ -12,6 +12,13 @@
   machine can do.
 * :func:`add_seconds` is the time of one in-place uint64 vector addition of d words (the
   aggregator's running sum of masked inputs): memory bandwidth at that size.
+* :func:`keystream_pass` is one pass of the ChaCha20 keystream floor of secure aggregation's
+  masks: ``count`` streams (fresh keys, the cipher's key setup included) of ``nbytes`` each,
+  written ``chunk`` bytes at a time into one reused buffer, streams inner, with nothing
+  else done to the words: what ``cryptography``'s ChaCha20 (OpenSSL) gives at best for
+  those bytes on this machine. The chunk matters: a stream written whole spills the caches
+  once it outgrows them, and a small chunk pays the call overhead more often, so
+  a floor is the best time over the chunks of :func:`keystream_chunks`, each timed.
 """
 
 from __future__ import annotations
@@ -22,13 +29,22 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
 from edge_sdk.model import Conv1d, Conv2d, Linear, ModelSpec
 
-__all__ = ["add_seconds", "sgemm_gflops", "step_flops"]
+__all__ = [
+    "KEYSTREAM_CHUNKS",
+    "add_seconds",
+    "keystream_chunks",
+    "keystream_pass",
+    "sgemm_gflops",
+    "step_flops",
+]
 
 
 def step_flops(spec: ModelSpec) -> int:
@@ -94,3 +110,39 @@ def add_seconds(dim: int, *, reps: int = 20) -> float:
         np.add(acc, x, out=acc)
         best = min(best, time.perf_counter() - t)
     return best
+
+
+KEYSTREAM_CHUNKS = (1 << 15, 1 << 16, 1 << 17, 1 << 18, 1 << 19)
+"""Chunk sizes (bytes) :func:`keystream_chunk` tries: 32 KiB to 512 KiB."""
+
+
+def keystream_pass(count: int, nbytes: int, chunk: int) -> Callable[[], None]:
+    """One pass of the keystream floor (module docstring), as a function to time.
+
+    Each call makes ``count`` ChaCha20 encryptors under fresh keys and reads ``nbytes`` of
+    keystream from each, ``min(chunk, nbytes)`` bytes per call into one buffer, streams
+    inner; the words are never looked at (a floor for whatever is done with them).
+    """
+    if count < 0 or nbytes < 0 or chunk < 1:
+        raise ValueError(f"need count, nbytes >= 0 and chunk >= 1, got {count}, {nbytes}, {chunk}")
+    keys = [os.urandom(32) for _ in range(count)]
+    step = max(1, min(chunk, nbytes))
+    buf = memoryview(bytearray(step))
+    zeros = memoryview(bytes(step))
+    nonce = bytes(16)
+
+    def run() -> None:
+        fills = [Cipher(algorithms.ChaCha20(k, nonce), mode=None).encryptor().update_into
+                 for k in keys]
+        for lo in range(0, nbytes, step):
+            z, b = (zeros, buf) if nbytes - lo >= step else (zeros[: nbytes - lo], buf)
+            for fill in fills:
+                fill(z, b)
+
+    return run
+
+
+def keystream_chunks(nbytes: int) -> list[int]:
+    """The chunks (bytes) of :data:`KEYSTREAM_CHUNKS` worth timing for streams of ``nbytes``:
+    each capped at nbytes, so a short stream is also tried whole."""
+    return sorted({min(c, max(1, nbytes)) for c in KEYSTREAM_CHUNKS})

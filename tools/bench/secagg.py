@@ -22,19 +22,39 @@ Timings (``time.perf_counter``, single process, best of ``reps`` where repeated)
   surviving device of this round uses (k neighbours that all shared keys). The
   representative device's real protocol steps, which also verify signatures, open the
   sealed shares, pack and sign, are reported in ``client_stage_s``.
-* ``prg_bound_s`` (= ``client_prg_bound_s``): ``prg.expand`` alone for those k + 1 masks,
-  each written into one preallocated buffer of the ring's dtype (no allocation, no
-  arithmetic): ChaCha20 keystream of the ring's width per coordinate (1, 2, 4 or 8 bytes;
-  exactly 4 at b = 32), the physical floor of the device's masking on this machine.
-  ``client_mask_over_bound`` = ``client_mask_s`` / ``prg_bound_s``.
+* ``prg_bound_s`` (= ``client_prg_bound_s``): the ChaCha20 keystream floor of those k + 1
+  masks (:func:`tools.bench.floors.keystream_pass`): k + 1 streams of d ring-width words
+  (1, 2, 4 or 8 bytes each; exactly 4 at b = 32), the same bytes the masking reads, written
+  into one reused buffer, chunk by chunk with the streams inner as the masking reads them,
+  and nothing else done (no arithmetic, no allocation): the physical floor of the device's
+  masking on this machine. Each rep times the masking and then the floor at every chunk
+  of :func:`~tools.bench.floors.keystream_chunks` (32 KiB to 512 KiB, and the whole
+  stream when shorter), so the load of a shared machine falls on both; the floor is the
+  chunk fastest in the median over reps (``keystream_chunk_bytes``), never slowed by a
+  stream written whole past the caches, and its best over the reps: as many samples as
+  the masking's best (a best over every chunk's samples too would favour the floor by
+  luck alone on a loaded machine). ``client_mask_over_bound`` = ``client_mask_s`` (best
+  of reps) / ``prg_bound_s``; ``client_mask_over_bound_median`` is the median over reps
+  of each rep's masking / that rep's floor at that chunk.
+* ``client_mask_ring_input_s``: the same masking of the same residues already in the
+  ring's dtype (uint32 at b = 32), as ``SecAggClient.mask_input`` hands them to ``mask``
+  after its own check (``client_mask_s`` feeds uint64 residues, so it also times their
+  check and cast); ``client_mask_ring_input_over_bound`` is its ratio to the same floor.
+* ``client_cpu_s``: the same bests in this thread's CPU time (``time.thread_time``), which
+  leaves out the time the process waits for a core on a loaded machine (not the caches
+  other processes evict); ``client_mask_over_bound_cpu`` and
+  ``client_mask_ring_input_over_bound_cpu`` are the ratios in it.
 * ``server_unmask_s``: the aggregator's :meth:`SecAggServer.finalize` in the real run:
   pairwise-seed agreement with each recovered mask key, PRG expansion of every mask that
   does not cancel (one self mask per survivor, one pairwise mask per (dropped device,
   surviving neighbour) pair) and their subtraction. Shamir reconstruction
   (:meth:`SecAggServer.recover`) is ``server_shamir_s``; summing the uploads as they
   arrive (signature checks, unpacking, additions) is ``server_collect_s``.
-* ``server_prg_bound_s``: ``prg.expand`` alone, into one buffer, for that many masks of
-  d ring-width words.
+* ``server_prg_bound_s``: the same keystream floor for that many masks of d ring-width
+  words, at the same chunk. ``server_unmask_cpu_s``, ``server_prg_bound_cpu_s`` and
+  ``server_unmask_over_bound_cpu`` are the same in this thread's CPU time (the unmasking is
+  one run, timed at another moment than its floor: on a loaded machine the wall-clock
+  ratio is mostly the load's).
 * ``bytes_up_per_client``: the exact msgpack bytes the representative device sends in the
   round (advertise + sealed shares + masked input + unmask answer; MQTT framing, about 30
   bytes per message, not included). ``bytes_vector`` = ceil(d * b / 8) is the packed
@@ -46,6 +66,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 import time
 from typing import Any, TextIO
@@ -55,14 +76,19 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from aggregator.secagg_server import SecAggServer
 from edge_sdk.errors import RoundFailed
-from edge_sdk.hazmat import prg
 from edge_sdk.hazmat.masking import derive_pairwise_seed, mask, mask_sign
 from edge_sdk.hazmat.ring import Ring
 from edge_sdk.secagg import AggregatorIdentity, DeviceIdentity, Registry, RoundConfig, SecAggClient
 from edge_sdk.wire import SECAGG_DOWN, SECAGG_UP, decode, encode
 from tools.bench.client import machine
+from tools.bench.floors import keystream_chunks, keystream_pass
 
 __all__ = ["run_secagg_bench"]
+
+
+CLIENT_REPS = 11
+"""At least this many reps of the client's masking and its floor (each a few ms at d = 1e5,
+tens at 1e6): a best of 2 or 3 on a shared machine is mostly the load's."""
 
 
 def _rand(rng: np.random.Generator) -> Any:
@@ -78,6 +104,13 @@ def _best(fn: Any, reps: int) -> float:
     return best
 
 
+def _timed(fn: Any) -> tuple[float, float]:
+    """(wall, CPU) seconds of one call: ``perf_counter`` and this thread's ``thread_time``."""
+    c0, t0 = time.thread_time(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, time.thread_time() - c0
+
+
 def _client_masking(
     *,
     dim: int,
@@ -88,9 +121,10 @@ def _client_masking(
     peers: list[str],
     rng: np.random.Generator,
     reps: int,
-) -> tuple[float, float, float]:
-    """(masking with derived seeds, key agreement, PRG floor) of one device with ``degree``
-    neighbours, each the best of reps."""
+) -> dict[str, Any]:
+    """The client's timings (module docstring) of one device with ``degree`` neighbours:
+    each rep times the masking of uint64 residues, of the same residues in the ring's dtype
+    and the floor at every chunk, in turn; bests as in the module docstring."""
     sk = X25519PrivateKey.from_private_bytes(rng.bytes(32))
     peer_pks = [
         X25519PrivateKey.from_private_bytes(rng.bytes(32)).public_key() for _ in range(degree)
@@ -101,6 +135,8 @@ def _client_masking(
         if bits < 64
         else rng.integers(0, 2**63, size=dim, dtype=np.uint64)
     )
+    ring = Ring(bits=bits)
+    x_ring = x.astype(ring.dtype)
 
     def keyagree() -> list[bytes]:
         return [derive_pairwise_seed(sk.exchange(pk), context=digest) for pk in peer_pks]
@@ -108,35 +144,40 @@ def _client_masking(
     terms = [(1, self_seed)] + [
         (mask_sign(me, v), s) for v, s in zip(peers, keyagree(), strict=True)
     ]
+    cases: dict[Any, Any] = {
+        "mask": lambda: mask(x, bits=bits, terms=terms),
+        "ring": lambda: mask(x_ring, bits=bits, terms=terms),
+    }
+    nbytes = dim * ring.dtype.itemsize
+    chunks = keystream_chunks(nbytes)
+    cases.update({c: keystream_pass(degree + 1, nbytes, c) for c in chunks})
+    for fn in cases.values():  # warm up allocator and cipher code paths
+        fn()
+    runs = [{k: _timed(fn) for k, fn in cases.items()} for _ in range(reps)]
+    # the chunk fastest in the median, then its best: as many samples as the masking's
+    chunk = min(chunks, key=lambda c: statistics.median(r[c][0] for r in runs))
 
-    def masking() -> None:
-        mask(x, bits=bits, terms=terms)
+    def best(key: Any, clock: int) -> float:
+        return min(r[key][clock] for r in runs)
 
-    ring = Ring(bits=bits)
-    seeds = [self_seed] + [rng.bytes(32) for _ in range(degree)]
-    buf = np.empty(dim, dtype=ring.dtype)
+    return {
+        "client_mask_s": best("mask", 0),
+        "client_prg_bound_s": best(chunk, 0),
+        "client_mask_over_bound_median": statistics.median(r["mask"][0] / r[chunk][0]
+                                                           for r in runs),
+        "client_mask_ring_input_s": best("ring", 0),
+        "client_cpu_s": {"mask": best("mask", 1), "mask_ring_input": best("ring", 1),
+                         "floor": best(chunk, 1)},
+        "keystream_chunk_bytes": chunk,
+        "client_keyagree_s": _best(keyagree, reps),
+    }
 
-    def floor() -> None:
-        for s in seeds:
-            prg.expand(s, dim, ring, out=buf)
 
-    masking()  # warm up allocator and cipher code paths
-    floor()
-    return _best(masking, reps), _best(keyagree, reps), _best(floor, reps)
-
-
-def _server_floor(
-    count: int, dim: int, bits: int, rng: np.random.Generator, reps: int
-) -> float:
-    ring = Ring(bits=bits)
-    seeds = [rng.bytes(32) for _ in range(count)]
-    buf = np.empty(dim, dtype=ring.dtype)
-
-    def floor() -> None:
-        for s in seeds:
-            prg.expand(s, dim, ring, out=buf)
-
-    return _best(floor, reps)
+def _server_floor(count: int, dim: int, bits: int, chunk: int, reps: int) -> tuple[float, float]:
+    """(wall, CPU) bests of the keystream floor of ``count`` masks."""
+    floor = keystream_pass(count, dim * Ring(bits=bits).dtype.itemsize, chunk)
+    runs = [_timed(floor) for _ in range(reps)]
+    return min(w for w, _ in runs), min(c for _, c in runs)
 
 
 def run_secagg_bench(
@@ -162,7 +203,8 @@ def run_secagg_bench(
         bits: ring size b (sums mod 2^b), 1..64; 32 by default.
         seed: seeds the keys, the inputs and the dropout set (results are reproducible;
             keys from a seeded generator are for benchmarking only).
-        reps: repetitions of the client and floor timings (best is reported).
+        reps: repetitions of the timings (best is reported); the client's masking and its
+            floor, milliseconds each, take at least :data:`CLIENT_REPS`.
         out: where to print the JSON line (None: print nothing).
 
     Returns:
@@ -235,6 +277,7 @@ def run_secagg_bench(
     total = None
     shamir_s: float | None = None
     unmask_s: float | None = None
+    unmask_cpu_s: float | None = None
     try:
         for d in ids:
             server.receive(step(d, "advertise", devices[d].advertise))
@@ -259,16 +302,17 @@ def run_secagg_bench(
         server.recover()
         shamir_s = time.perf_counter() - t0
         server_masks = server.mask_count()
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         total = server.finalize()
         unmask_s = time.perf_counter() - t0
+        unmask_cpu_s = time.thread_time() - c0
     except RoundFailed as e:
         failed = str(e)
         server_masks = 0
     exact = total is not None and bool(np.array_equal(total, expected & ring))
     round_s = time.perf_counter() - started
 
-    client_mask_s, client_keyagree_s, client_floor = _client_masking(
+    client = _client_masking(
         dim=dim,
         bits=bits,
         degree=cfg.degree,
@@ -276,35 +320,55 @@ def run_secagg_bench(
         me=rep,
         peers=list(cfg.neighbours(rep)),
         rng=rng,
-        reps=reps,
+        reps=max(reps, CLIENT_REPS),
     )
-    server_floor = (
-        _server_floor(server_masks, dim, bits, rng, max(1, reps - 1)) if server_masks else None
+    chunk = client["keystream_chunk_bytes"]
+    server_floor, server_floor_cpu = (
+        _server_floor(server_masks, dim, bits, chunk, max(1, reps - 1))
+        if server_masks
+        else (None, None)
     )
 
     def r6(v: float | None) -> float | None:
         return None if v is None else round(v, 6)
 
+    client_mask_s, client_floor = client["client_mask_s"], client["client_prg_bound_s"]
+    ring_input_s, cpu = client["client_mask_ring_input_s"], client["client_cpu_s"]
     vector_bytes = (dim * bits + 7) // 8
     result: dict[str, Any] = {
         "exact": exact,
         "client_mask_s": round(client_mask_s, 6),
-        "client_keyagree_s": round(client_keyagree_s, 6),
+        "client_keyagree_s": round(client["client_keyagree_s"], 6),
         "server_unmask_s": r6(unmask_s),
         "bytes_up_per_client": sum(sent_bytes.values()),
         "prg_bound_s": round(client_floor, 6),
         "client_prg_bound_s": round(client_floor, 6),
         "server_prg_bound_s": r6(server_floor),
         "client_mask_over_bound": round(client_mask_s / client_floor, 3),
+        "client_mask_over_bound_median": round(client["client_mask_over_bound_median"], 3),
+        "client_mask_ring_input_s": round(ring_input_s, 6),
+        "client_mask_ring_input_over_bound": round(ring_input_s / client_floor, 3),
+        "client_cpu_s": {k: round(v, 6) for k, v in cpu.items()},
+        "client_mask_over_bound_cpu": round(cpu["mask"] / cpu["floor"], 3),
+        "client_mask_ring_input_over_bound_cpu": round(cpu["mask_ring_input"] / cpu["floor"], 3),
+        "keystream_chunk_bytes": chunk,
         "server_unmask_over_bound": None
         if unmask_s is None or server_floor is None
         else round(unmask_s / server_floor, 3),
+        "server_unmask_cpu_s": r6(unmask_cpu_s),
+        "server_prg_bound_cpu_s": r6(server_floor_cpu),
+        "server_unmask_over_bound_cpu": None
+        if unmask_cpu_s is None or server_floor_cpu is None
+        else round(unmask_cpu_s / server_floor_cpu, 3),
         # where the masking time goes (issue 18): the keystream floor, the rest being the
-        # ring additions of the k + 1 masks into the vector and the chunk loop
+        # ring additions of the k + 1 masks into the vector, the input's check and cast from
+        # uint64, and the chunk loop
         "client_time_split": (f"masking {1e3 * client_mask_s:.2f} ms = ChaCha20 keystream "
                               f"floor {1e3 * client_floor:.2f} ms + "
                               f"{1e3 * (client_mask_s - client_floor):.2f} ms of additions "
-                              f"into the vector and loop"),
+                              f"into the vector, the uint64 input's check and cast, and loop "
+                              f"(input already in the ring's dtype: "
+                              f"{1e3 * ring_input_s:.2f} ms)"),
         "server_shamir_s": r6(shamir_s),
         "server_collect_s": round(collect_s, 6),
         "client_stage_s": {k: round(v, 6) for k, v in stage_s.items()},

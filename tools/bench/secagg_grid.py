@@ -16,9 +16,10 @@ An estimate is never reported as a measurement.
 
 Floors beside the measured times:
 
-* client masking and server unmasking: the ChaCha20 PRG expansion of the same number of
-  masks into one buffer of the ring's width (``prg_bound_s``, ``server_prg_bound_s`` from
-  the round itself);
+* client masking and server unmasking: the ChaCha20 keystream of the same number of masks
+  at the ring's width, read chunk by chunk into one reused buffer at the fastest chunk
+  (``prg_bound_s``, ``server_prg_bound_s`` from the round itself;
+  :func:`tools.bench.floors.keystream_pass`);
 * the aggregator's running sum of the uploads (``server_collect_s``, which also verifies
   signatures and unpacks): survivors x one in-place uint64 addition of d words
   (:func:`tools.bench.floors.add_seconds`, memory bandwidth), measured in this process.
@@ -42,6 +43,7 @@ from typing import Any, TextIO
 from edge_sdk.hazmat.graph import default_degree
 from tools.bench.client import REPO
 from tools.bench.floors import add_seconds
+from tools.bench.secagg import CLIENT_REPS
 
 __all__ = ["estimate", "grid", "run_secagg_grid"]
 
@@ -164,7 +166,8 @@ def run_secagg_grid(*, quick: bool = False, cells: list[tuple[int, int, float, b
     print(f"# secure aggregation, one full round per configuration in a fresh process "
           f"(RLIMIT_AS {mem_cap_gib:g} GiB, limit {timeout_s:.0f} s), 32-bit ring; "
           f"client masking (seeds derived, as at upload; key agreement is client_keyagree_s "
-          f"in the JSON) and its PRG floor (4 keystream bytes per value): best of {reps}; "
+          f"in the JSON) and its ChaCha20 keystream floor (4 keystream bytes per value, "
+          f"best chunk): best of max({reps}, {CLIENT_REPS}), timed in turn; "
           f"server times: the round's "
           "single run. Ratio = time / floor"
           + ("; --quick leaves d = 1e6, the full graph at n = 1000, and the 0 % dropout "
