@@ -611,7 +611,10 @@ class RoundMachine:
             self._events.append(Resent(round_id=r.plan.round_id, stage=r.stage.value,
                                        devices=devices, attempt=r.resends))
             logger.info("round %d: %s requests sent again to %d devices (attempt %d)",
-                        r.plan.round_id, r.stage.value, len(devices), r.resends)
+                        r.plan.round_id, r.stage.value, len(devices), r.resends,
+                        extra={"fedge": {"event": "resent", "round": r.plan.round_id,
+                                         "stage": r.stage.value, "devices": len(devices),
+                                         "attempt": r.resends}})
         return out
 
     def on_message(self, topic: str, payload: bytes, now: float) -> list[Publish]:
@@ -672,7 +675,8 @@ class RoundMachine:
                 dropped = self._dropped.pop(device, 0)
                 self._events.append(Released(device=device, dropped=dropped))
                 logger.info("%s released from quarantine (%d messages dropped)", device,
-                            dropped)
+                            dropped, extra={"fedge": {"event": "released", "device": device,
+                                                      "dropped": dropped}})
 
     def _reject(self, topic: str, reason: str) -> None:
         self._events.append(Rejected(
@@ -696,7 +700,9 @@ class RoundMachine:
             status = bytes(payload[:64]).decode("utf-8", errors="replace")
             self._events.append(StatusSeen(device=device, status=status, removed=removed))
             logger.info("%s status %r%s", device, status,
-                        " (its check-in is withdrawn)" if removed else "")
+                        " (its check-in is withdrawn)" if removed else "",
+                        extra={"fedge": {"event": "status", "device": device,
+                                         "status": status, "withdrawn": removed}})
             return []
         msg = wire.decode(payload, wire.UP_KINDS)
         if msg.KIND != kind:
@@ -1046,7 +1052,9 @@ class RoundMachine:
         self._site_model = key
         self._forget_stale(now)
         logger.info("adopted site %s's model version %d (round %d)", up.site, model.version,
-                    model.round_id)
+                    model.round_id, extra={"fedge": {"event": "site_model",
+                                                     "version": model.version,
+                                                     "round": model.round_id}})
         self._save()
         return out + [self._model_publish()] + self._maybe_start(now)
 

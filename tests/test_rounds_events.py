@@ -210,3 +210,20 @@ def test_no_event_is_lost_between_takes(tmp_path: Path, digits: Any, engine: Any
     kinds = [v[0] for v in runs[0] if v[0] != "CheckInSeen"]  # check-ins come any time
     assert kinds[:2] == ["RoundStarted", "StageChanged"] and kinds[-2:] == [
         "RoundEnded", "StageChanged"] and kinds.count("StageChanged") == 5
+
+
+def test_every_log_line_of_the_round_machine_carries_its_structured_fields() -> None:
+    """The service's JSON log lines (and the tests that read them) take each record's
+    ``fedge`` fields: a record without them (once, a stage's re-send) loses its event and
+    broke a filter that read ``r.fedge`` on a loaded machine."""
+    import ast
+    from pathlib import Path
+
+    src = Path(__file__).parents[1] / "aggregator" / "rounds.py"
+    missing = []
+    for node in ast.walk(ast.parse(src.read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "logger"
+                and not any(k.arg == "extra" for k in node.keywords)):
+            missing.append(node.lineno)
+    assert missing == [], f"logger calls without extra={{'fedge': ...}} at lines {missing}"
