@@ -52,7 +52,7 @@ def test_the_real_baseline_against_itself_is_all_same(capsys: pytest.CaptureFixt
     # every direction in the table is exercised by the real file, and nothing is left out,
     # but the ratios added after it was recorded (issue 18)
     newer = {"threads_2_over_1", "wall_over_floor", "wall_over_parallel_floor",
-             "bytes_over_float32"}
+             "bytes_over_float32", "rss_vs_small_fleet", "vs_one_worker"}
     assert {k for _, _, k in ratios} == set(DIRECTIONS) - newer
     assert main(["bench", "compare", str(BASELINE), str(BASELINE)]) == 0
     out = capsys.readouterr().out

@@ -80,13 +80,17 @@ DIRECTIONS: Mapping[str, Better] = {
     "wall_over_parallel_floor": "lower",
     # small_upload: bytes per upload / the float32 update's bytes
     "bytes_over_float32": "lower",
+    # scale (issue 19): peak RSS at 10x the registered devices / at 10,000
+    "rss_vs_small_fleet": "lower",
+    # workers (issue 19): device-rounds/min with 2 worker processes / with 1
+    "vs_one_worker": "higher",
 }
 
 RATIO_NAME = re.compile(r"ratio|speedup|_over_|fraction_of|(^|_)vs_")
 """Field names that look like ratios: each must be in :data:`DIRECTIONS`."""
 
 ROW_KEYS = ("model", "batch", "threads", "steps", "clients", "dim", "dropout", "full_graph",
-            "bits", "devices", "transport", "setting")
+            "bits", "devices", "transport", "setting", "registered", "cohort", "workers")
 """The fields that name a row's configuration (the rest are measurements)."""
 
 # top-level fields of the JSON that are not sections
