@@ -215,6 +215,8 @@ class OnnxEngine:
         manifest: the model's manifest (see :func:`load_manifest`).
         threads: intra-op threads. Default 1: a device shares its cores with its real job,
             and spinning threads would burn them; with more than 1, spinning is turned off.
+            Kept as ``threads``: :func:`edge_sdk.train.dp_sgd_step` draws a step's noise on
+            a second thread while the graph runs only when it is >= 2.
     """
 
     def __init__(self, manifest: Manifest, *, threads: int = 1) -> None:
@@ -223,6 +225,7 @@ class OnnxEngine:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads!r}")
         self.spec = manifest.spec
+        self.threads = threads
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1

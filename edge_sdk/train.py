@@ -21,6 +21,8 @@ kept coordinates stays z * C, so the accounted noise multiplier is z / sqrt(p).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LocalResult",
     "LocalTraining",
+    "NoiseDraw",
     "TrainingDiverged",
     "dp_sgd_step",
     "BinomialResult",
@@ -166,6 +169,20 @@ def round_event(
                     adjacency="substitution")
 
 
+NoiseDraw = Callable[[], list[np.ndarray]]
+"""A step's noise drawn on call: absolute noise per parameter (std z*C), as ``dp_sgd_step``'s
+``noise`` takes it when the draw may overlap the per-sample-gradient graph."""
+
+_noise_worker: list[ThreadPoolExecutor] = []  # made on first use by an engine of >= 2 threads
+
+
+def _overlapped(draw: NoiseDraw) -> Future[list[np.ndarray]]:
+    """``draw()`` on the one noise worker thread (made on first use, then reused)."""
+    if not _noise_worker:
+        _noise_worker.append(ThreadPoolExecutor(1, thread_name_prefix="fedge-noise"))
+    return _noise_worker[0].submit(draw)
+
+
 def dp_sgd_step(
     engine: Engine,
     theta: list[np.ndarray],
@@ -173,7 +190,7 @@ def dp_sgd_step(
     y: np.ndarray,
     *,
     clip: float,
-    noise: list[np.ndarray] | None,
+    noise: list[np.ndarray] | NoiseDraw | None,
     lr: float,
     denom: float,
     masks: list[np.ndarray] | None = None,
@@ -184,7 +201,14 @@ def dp_sgd_step(
         theta: parameters, updated in place.
         x, y: the batch (may be empty: then only the noise moves theta).
         clip: per-sample L2 bound C.
-        noise: absolute noise per parameter (std z*C, drawn by the caller) or None.
+        noise: absolute noise per parameter (std z*C, drawn by the caller), a function
+            that draws it (called exactly once), or None. The noise does not depend on the
+            batch, so with an engine of ``threads`` >= 2 the function runs on a second
+            thread while the per-sample-gradient graph runs (onnxruntime releases the GIL
+            in ``run``); the graph reads nothing the draw writes, and the caller's rng is
+            used by nobody else meanwhile, so theta comes out bitwise as when the draw runs
+            first. With 1 thread (or without ``threads``) it runs first, on this thread:
+            no other thread is started.
         lr: step size; denom: the batch size normalisation, the plan's public B.
         masks: 0/1 arrays of a rand-k coordinate set: norms, clipping and the sum are
             restricted to it (the caller scales clip, noise and lr; see :func:`local_round`).
@@ -192,23 +216,38 @@ def dp_sgd_step(
     Returns:
         The sum of the per-sample losses of the batch (before the step).
     """
-    plain = getattr(engine, "grad_sum", None)  # test doubles may only clip
-    if len(y) and clip == math.inf and masks is None and plain is not None:
-        # no per-sample clipping (the device-level mode clips the whole update): the plain
-        # graph's batch sum, without per-sample norms or gradients
-        summed = plain(theta, x, y)
-        grads, loss = summed.grad_sum, float(summed.losses.sum())
-    elif len(y):
-        res = engine.clipped_grad_sum(theta, x, y, clip, masks=masks)
-        grads, loss = res.clipped_sum, float(res.losses.sum())
-    else:
-        grads, loss = [np.zeros_like(t) for t in theta], 0.0
+    pending = None
+    if callable(noise):
+        if len(y) and getattr(engine, "threads", 1) >= 2:
+            pending = _overlapped(noise)
+        else:
+            noise = noise()
+    try:
+        grads, loss = _batch_grads(engine, theta, x, y, clip, masks)
+    finally:
+        if pending is not None:  # never leave the draw running: it holds the caller's rng
+            noise = pending.result()
     step = np.float32(lr / denom)
     for i, (t, g) in enumerate(zip(theta, grads, strict=True)):
         if noise is not None:
             g = g + noise[i]
         t -= step * g
     return loss
+
+
+def _batch_grads(engine: Engine, theta: list[np.ndarray], x: np.ndarray, y: np.ndarray,
+                 clip: float, masks: list[np.ndarray] | None) -> tuple[list[np.ndarray], float]:
+    """The batch's clipped gradient sum (unclipped when C = inf) and its summed loss."""
+    plain = getattr(engine, "grad_sum", None)  # test doubles may only clip
+    if len(y) and clip == math.inf and masks is None and plain is not None:
+        # no per-sample clipping (the device-level mode clips the whole update): the plain
+        # graph's batch sum, without per-sample norms or gradients
+        summed = plain(theta, x, y)
+        return summed.grad_sum, float(summed.losses.sum())
+    if len(y):
+        res = engine.clipped_grad_sum(theta, x, y, clip, masks=masks)
+        return res.clipped_sum, float(res.losses.sum())
+    return [np.zeros_like(t) for t in theta], 0.0
 
 
 def local_round(
@@ -246,11 +285,9 @@ def local_round(
     clip, lr = cfg.clip * math.sqrt(p_kept), cfg.lr / p_kept  # Fed-SPA eq. (5): S = rand_k / p
     losses, seen = 0.0, 0
     for idx, denom in _batches(m, cfg, rng):
-        noise = None
-        if std > 0:  # drawn on every step, also for an empty Poisson batch
-            noise = [rng.normal(0.0, std, size=t.shape).astype(np.float32) for t in theta]
-            if masks is not None:  # noise only on the kept coordinates
-                noise = [n * mk for n, mk in zip(noise, masks, strict=True)]
+        # drawn on every step, also for an empty Poisson batch; after this step's batch in
+        # the rng's stream, before the next one's (dp_sgd_step waits for it)
+        noise = _noise_draw(rng, std, [t.shape for t in theta], masks) if std > 0 else None
         losses += dp_sgd_step(engine, theta, x[idx], y[idx], clip=clip, noise=noise,
                               lr=lr, denom=denom, masks=masks)
         seen += len(idx)
@@ -258,6 +295,20 @@ def local_round(
     if not all(np.isfinite(u).all() for u in update):
         raise TrainingDiverged(f"local round produced a non-finite update (lr={cfg.lr})")
     return LocalResult(update, round_event(m, cfg, p_kept), m, losses / max(seen, 1))
+
+
+def _noise_draw(rng: np.random.Generator, std: float, shapes: list[tuple[int, ...]],
+                masks: list[np.ndarray] | None) -> NoiseDraw:
+    """A step's noise N(0, std^2) per coordinate from ``rng`` (only on the kept coordinates
+    when ``masks`` is given), as a function for :func:`dp_sgd_step`."""
+
+    def draw() -> list[np.ndarray]:
+        noise = [rng.normal(0.0, std, size=s).astype(np.float32) for s in shapes]
+        if masks is not None:
+            noise = [n * mk for n, mk in zip(noise, masks, strict=True)]
+        return noise
+
+    return draw
 
 
 def coordinate_masks(shapes: list[tuple[int, ...]], coords: np.ndarray) -> list[np.ndarray]:

@@ -6,11 +6,11 @@ out layer by layer for the supported set, with the weights as graph inputs:
 * Linear: the per-sample gradient is the outer product d_i a_i^T, never materialised;
   its squared norm is ||d_i||^2 ||a_i||^2 (ghost norm) and the clipped sum is
   (s * d)^T a with s_i the clip factor.
-* Conv2d (stride 1, no padding): im2col by one depthwise Conv with one-hot kernels (exact:
-  one input times 1.0 per output; not ``F.unfold``, which becomes slow Gather ops in
-  onnxruntime, nor kh*kw slices) and a batched MatMul give the per-sample weight
-  gradient [B, out, in*k*k], small for the zoo's convs; the input gradient is a
-  transposed conv.
+* Conv2d (stride 1, no padding): im2col by kw then kh slices, or by one depthwise Conv
+  with one-hot kernels where that is faster (exact either way; see ``_unfold``; not
+  ``F.unfold``, which becomes slow Gather ops in onnxruntime, nor kh*kw slices) and a
+  batched MatMul give the per-sample weight gradient [B, out, in*k*k], small for the
+  zoo's convs; the input gradient is a transposed conv.
 * Conv2d with stride, zero padding or dilation, and Conv1d (as a Conv2d of height 1): the
   same im2col, strided and dilated, of the zero-padded input; the input gradient is a
   transposed conv with those settings and the output padding that restores the input size.
@@ -98,17 +98,36 @@ from edge_sdk.model import (
 _TINY = float(torch.finfo(torch.float32).tiny)
 
 
+_ROW_MIN = 8  # output row width from which the slices beat the one-hot Conv (measured)
+
+
 def _unfold(x: Tensor, kh: int, kw: int, stride: tuple[int, int] = (1, 1),
             dilation: tuple[int, int] = (1, 1)) -> Tensor:
-    """[B, C, H, W] -> [B, C*kh*kw, Ho, Wo], the im2col patches, channel order (c, i, j), by
-    one depthwise Conv whose kernels are one-hot (one output channel per window position):
-    every output is one input times 1.0 plus exact zeros, so the columns are exactly the
-    input's values, as the kh*kw strided slices gave them; one MLAS Conv in onnxruntime in
-    place of the kh*kw Slice, Unsqueeze and Concat nodes (44% of the CNN graph's kernel
-    time in onnxruntime's profile; the graph got 5-15% faster, issue 18)."""
-    c = x.shape[1]
-    eye = torch.eye(kh * kw, dtype=x.dtype).reshape(kh * kw, 1, kh, kw).repeat(c, 1, 1, 1)
-    return F.conv2d(x, eye, stride=stride, dilation=dilation, groups=c)
+    """[B, C, H, W] -> [B, C*kh*kw, Ho, Wo], the im2col patches, channel order (c, i, j).
+
+    Both ways below only copy (or multiply by 1.0 and add exact zeros), so the columns are
+    exactly the input's values; which is faster in onnxruntime depends on the shape. Thread
+    CPU time, 1 thread, batch 32, against the one-hot Conv (issue 18): 5x5 on 1x28x28
+    678 -> 455 us, on 10x12x12 995 -> 759 us, 1x1 120 -> 40 us, 1x3 on 16x66 204 -> 116
+    us; but 3x3 on 32x27x7 (rows of 5) 2,360 -> 3,612 us and stride 2 86 -> 212 us.
+
+    * stride 1 with output rows of at least ``_ROW_MIN`` (or a 1x1 kernel): two stages of
+      slices, the kw column shifts stacked ([B, C, kw, H, Wo]), then the kh row shifts of
+      that ([B, C, kh, kw, Ho, Wo]);
+    * otherwise one depthwise Conv whose kernels are one-hot (one output channel per
+      window position), one MLAS Conv in place of kh*kw Slice, Unsqueeze and Concat nodes.
+    """
+    (sh, sw), (dh, dw) = stride, dilation
+    h, w = x.shape[2], x.shape[3]
+    ho, wo = (h - dh * (kh - 1) - 1) // sh + 1, (w - dw * (kw - 1) - 1) // sw + 1
+    if (sh, sw) != (1, 1) or (wo < _ROW_MIN and kh * kw > 1):
+        c = x.shape[1]
+        eye = torch.eye(kh * kw, dtype=x.dtype).reshape(kh * kw, 1, kh, kw).repeat(c, 1, 1, 1)
+        return F.conv2d(x, eye, stride=stride, dilation=dilation, groups=c)
+    cols = torch.stack([x[:, :, :, j * dw : j * dw + wo] for j in range(kw)], dim=2)
+    if kh > 1:  # B, C, kw, H, Wo -> B, C, kh, kw, Ho, Wo
+        cols = torch.stack([cols[:, :, :, i * dh : i * dh + ho, :] for i in range(kh)], dim=2)
+    return cols.reshape(x.shape[0], -1, ho, wo)
 
 
 def im2col(x: Tensor, k: int) -> Tensor:

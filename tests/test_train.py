@@ -75,6 +75,66 @@ def test_empty_poisson_batch_still_adds_noise() -> None:
     assert all(np.allclose(t, -0.25) for t in theta)
 
 
+def _round_with(threads: int, sparsity: float = 1.0) -> list[np.ndarray]:
+    x, y = _data(200)
+    engine = load_engine(manifest_path("logreg", (30,), 2), threads=threads)
+    params = init_params(SPEC, np.random.default_rng(0))
+    cfg = LocalTraining(steps=6, batch_size=20, lr=0.1, clip=0.5, noise_multiplier=1.0,
+                        sparsity=sparsity)
+    coords = None if sparsity == 1.0 else np.arange(0, 62, 3)
+    return local_round(engine, params, x, y, cfg, np.random.default_rng(3), coords).update
+
+
+@pytest.mark.parametrize("sparsity", [1.0, 21 / 62])
+def test_noise_drawn_beside_the_graph_gives_the_same_round(sparsity: float) -> None:
+    # with 2 threads the draw overlaps the graph on a second thread; the rng's stream and
+    # the sums are as with 1 thread, so the update is bitwise the same
+    for u, v in zip(_round_with(1, sparsity), _round_with(2, sparsity), strict=True):
+        np.testing.assert_array_equal(u, v)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_noise_draw_runs_once_and_on_this_thread_with_one_thread(threads: int) -> None:
+    import threading
+
+    engine = load_engine(manifest_path("logreg", (30,), 2), threads=threads)
+    x, y = _data(16)
+    params = init_params(SPEC, np.random.default_rng(0))
+    noise = [np.full(s, 0.5, dtype=np.float32) for _, s in SPEC.param_shapes()]
+    seen: list[threading.Thread] = []
+
+    def draw() -> list[np.ndarray]:
+        seen.append(threading.current_thread())
+        return noise
+
+    drawn, given = [p.copy() for p in params], [p.copy() for p in params]
+    dp_sgd_step(engine, drawn, x, y, clip=1.0, noise=draw, lr=0.1, denom=16)
+    dp_sgd_step(engine, given, x, y, clip=1.0, noise=noise, lr=0.1, denom=16)
+    assert len(seen) == 1
+    # one thread: no other thread is started (a device pinned to one core stays on it)
+    assert (seen[0] is threading.current_thread()) == (threads == 1)
+    for a, b in zip(drawn, given, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_noise_draw_finishes_before_a_failing_graph_raises() -> None:
+    import threading
+
+    engine = load_engine(manifest_path("logreg", (30,), 2), threads=2)
+    params = init_params(SPEC, np.random.default_rng(0))
+    done = threading.Event()
+
+    def draw() -> list[np.ndarray]:
+        done.wait(0.05)
+        done.set()
+        return [np.zeros(s, dtype=np.float32) for _, s in SPEC.param_shapes()]
+
+    x, y = _data(4)
+    with pytest.raises(ValueError, match="labels"):
+        dp_sgd_step(engine, params, x, y + 5, clip=1.0, noise=draw, lr=0.1, denom=4)
+    assert done.is_set()  # the caller's rng is not in use once the step returns or raises
+
+
 def test_events_released() -> None:
     cfg = LocalTraining(steps=20, batch_size=32, lr=0.1, clip=1.0, noise_multiplier=1.1)
     assert round_event(640, cfg) == PoissonSubsampledGaussian(
