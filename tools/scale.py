@@ -59,7 +59,17 @@ _TICK_S = 0.1
 
 
 def peak_rss_mib() -> float:
-    """This process's peak resident set size so far, MiB (Linux ru_maxrss is KiB)."""
+    """This process's peak resident set size so far, MiB: Linux's VmHWM, the high-water
+    mark of this process image. Not ``ru_maxrss``: Linux keeps that across fork and
+    execve, so a child of a large parent (``fedge bench all``) reports the parent's peak
+    (seen: 1,131 MiB for a 230 MiB child). ``ru_maxrss`` where /proc is absent."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
