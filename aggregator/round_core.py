@@ -39,7 +39,7 @@ from edge_sdk.fixedpoint import FixedPoint
 from edge_sdk.hazmat import graph
 from edge_sdk.mechanisms import ServerHalf, binomial, ddg, device_dp, update_noise
 from edge_sdk.round import coordinates, has_mechanism, mechanism_round
-from edge_sdk.wire import GaussianParams, RoundPlan
+from edge_sdk.wire import BufferOffer, GaussianParams, RoundPlan
 from edge_sdk.wire.schema import Record
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "RoundPolicy",
     "check_plannable",
     "draw_cohort",
+    "draw_offer",
     "draw_plan",
     "eligible_devices",
     "finish",
@@ -147,6 +148,17 @@ class RoundPolicy:
         server_opt, server_lr: server optimizer from ``aggregator.optimizers.OPTIMIZERS``.
         seed: seeds the cohort selection (with the round id).
         max_packet: largest MQTT payload the devices may send (their chunk size).
+        buffered, max_staleness, staleness_exponent: buffered asynchronous rounds (FedBuff,
+            Nguyen et al. 2022; issue 19; default False: synchronous rounds). The machine
+            publishes a ``wire.BufferOffer`` (retained) with every plan setting; devices
+            train ahead on the newest model they hold and say ``Ready``; a round starts
+            as soon as ``cohort_size`` eligible devices hold an update at most
+            ``max_staleness`` versions behind the current model (the longest-waiting
+            first), and each member weights its clipped update by (1 + tau)^-a,
+            a = ``staleness_exponent``, before noise and masking. ``"device-dp"`` over
+            ``"secagg+"`` with fixed clipping only (the device must train before the
+            round's plan exists; the weight must not move the indicator of adaptive
+            clipping).
         sum_cohort: the most uploads one decoded sum may hold, >= cohort_size (None:
             cohort_size). A gateway that forwards its cohort's sum to a site
             (``aggregator.site``) sets it to the site's total, gateways x cohort_size, so
@@ -197,6 +209,9 @@ class RoundPolicy:
     seed: int = 0
     sum_cohort: int | None = None
     max_packet: int = wire.DEFAULT_MAX_PACKET
+    buffered: bool = False
+    max_staleness: int = 4
+    staleness_exponent: float = 0.5
 
     def __post_init__(self) -> None:
         wire.check_name("fleet", self.fleet)
@@ -238,6 +253,30 @@ class RoundPolicy:
         if not (math.isfinite(self.value_bound) and self.value_bound > 0):
             raise ValueError(f"value_bound must be finite and > 0, got {self.value_bound!r}")
         self._check_mechanism_settings()
+        self._check_buffered()
+
+    def _check_buffered(self) -> None:
+        if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be an integer >= 0, got "
+                             f"{self.max_staleness!r}")
+        a = self.staleness_exponent
+        if not (isinstance(a, int | float) and 0 <= a <= 8):
+            raise ValueError(f"staleness_exponent must be in [0, 8], got {a!r}")
+        if not self.buffered:
+            return
+        why = []
+        if self.mechanism != "device-dp":
+            why.append(f"mechanism {self.mechanism!r} (device-dp only: its device trains "
+                       f"before the plan exists)")
+        if self.secagg != "secagg+":
+            why.append(f"secagg {self.secagg!r} (secagg+ only)")
+        if self.adaptive_clip_quantile is not None:
+            why.append("adaptive clipping (the weight would move its indicator)")
+        if self.min_cohort not in (None, self.cohort_size):
+            why.append(f"min_cohort {self.min_cohort} (a buffer closes at cohort_size "
+                       f"{self.cohort_size})")
+        if why:
+            raise ValueError("buffered rounds cannot go with " + "; ".join(why))
         if self.secagg not in wire.SECAGG_PROTOCOLS:
             raise ValueError(f"secagg must be one of {list(wire.SECAGG_PROTOCOLS)}, "
                              f"got {self.secagg!r}")
@@ -588,6 +627,23 @@ def draw_plan(policy: RoundPolicy, *, round_id: int, model_version: int,
         threshold=policy.config_threshold(degree), min_survivors=policy.survivors_needed(n),
         max_colluders=policy.max_colluders, stage_timeout=float(policy.stage_timeout),
         secagg=policy.secagg)
+
+
+def draw_offer(policy: RoundPolicy, *, dim: int, generation: int = 1) -> BufferOffer:
+    """The offer (unsigned) of a buffered fleet (``policy.buffered``): every setting its
+    rounds' plans (:func:`draw_plan` with a cohort of ``cohort_size``) will carry, so a
+    device can reserve a round's spend and train before any plan exists. ``generation``:
+    the offer's round id (>= 1)."""
+    n = policy.cohort_size
+    params, length, bits = mechanism_params(policy, dim=dim, cohort_size=n)
+    degree = policy.config_degree(n)
+    return BufferOffer(
+        round_id=generation, mechanism=policy.mechanism, params=params, bits=bits,
+        length=length, degree=degree, threshold=policy.config_threshold(degree),
+        min_survivors=policy.survivors_needed(n), max_colluders=policy.max_colluders,
+        stage_timeout=float(policy.stage_timeout), secagg=policy.secagg, buffer_size=n,
+        max_staleness=policy.max_staleness,
+        staleness_exponent=float(policy.staleness_exponent))
 
 
 def short_of_survivors(stage: str, answered: int, *, min_survivors: int,

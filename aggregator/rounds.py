@@ -90,6 +90,7 @@ from aggregator.round_core import (
     RoundPolicy,
     check_plannable,
     draw_cohort,
+    draw_offer,
     draw_plan,
     eligible_devices,
     finish,
@@ -123,6 +124,7 @@ from edge_sdk.wire import (
     GatewaySum,
     ModelUpdate,
     Publish,
+    Ready,
     RoundPlan,
     SecAggUp,
     SiteRound,
@@ -474,6 +476,17 @@ class RoundMachine:
         self._job = 0  # share: the open round's job index
         self._site_round: SiteRound | None = None  # the site's newest announcement
         self._site_model: tuple[int, int] | None = None  # (version, round) adopted last
+        # buffered rounds (policy.buffered): the offer, and device -> the model version of
+        # the update it holds, in the order the Ready messages came (the oldest first)
+        self._offer_msg: wire.BufferOffer | None = None
+        if policy.buffered:
+            if upstream is not None or select is not None:
+                raise ValueError("buffered rounds run in a flat fleet (no upstream, no "
+                                 "select): their cohort is whoever is ready first")
+            self._offer_msg = wire.sign(draw_offer(policy, dim=self.dimension), identity)
+        self._ready: dict[str, int] = {}
+        self._taken: dict[str, int] = {}  # device -> the newest version of its updates that
+        # a round took (a Ready for it again is a duplicate: each update goes in once)
 
     # ------------------------------------------------------------------ properties
 
@@ -580,6 +593,9 @@ class RoundMachine:
         """(Re)connected: the retained model, and the open stage's messages again (after a
         restart devices may have missed them; devices ignore exact duplicates)."""
         out = [self._model_publish()]
+        if self._offer_msg is not None:
+            out.append(Publish(wire.round_topic(self.policy.fleet),
+                               wire.encode(self._offer_msg), retain=True))
         if self._round is not None:
             if self._restored:  # the old process's clock means nothing here
                 self._round.deadline = now + self.policy.stage_timeout
@@ -722,6 +738,8 @@ class RoundMachine:
                                             data_size=msg.data_size,
                                             model_version=msg.model_version))
             return self._maybe_start(now)
+        if isinstance(msg, Ready):
+            return self._on_ready(msg, now)
         r = self._round
         if r is None or msg.round_id != r.plan.round_id:  # type: ignore[union-attr]
             raise RemoteProtocolError(
@@ -888,8 +906,40 @@ class RoundMachine:
     # ------------------------------------------------------------------ starting
 
     def _eligible(self) -> list[str]:
-        return eligible_devices({d: c.remaining_epsilon for d, c in self._available.items()
-                         if c.model_version == self._version}, short=self._short)
+        # buffered: a member adds the update it holds, whatever model it holds now
+        oldest = self._version - (self.policy.max_staleness if self._offer_msg else 0)
+        out = eligible_devices({d: c.remaining_epsilon for d, c in self._available.items()
+                                if c.model_version >= oldest}, short=self._short)
+        if self._offer_msg is None:
+            return out
+        # buffered: those holding a fresh enough update, the longest-waiting first
+        ok = set(out)
+        return [d for d, v in self._ready.items()
+                if d in ok and self._version - v <= self.policy.max_staleness]
+
+    def _on_ready(self, msg: Ready, now: float) -> list[Publish]:
+        offer = self._offer_msg
+        if offer is None:
+            raise RemoteProtocolError("ready: this fleet runs synchronous rounds")
+        self._reg.verify_message(msg)
+        if msg.offer != offer.round_id:
+            raise RemoteProtocolError(f"ready under offer {msg.offer}, the offer is "
+                                      f"{offer.round_id}")
+        if msg.trained_version < self._version - self.policy.max_staleness:
+            raise RemoteProtocolError(f"ready with an update of model "
+                                      f"{msg.trained_version}, more than "
+                                      f"{self.policy.max_staleness} versions behind "
+                                      f"{self._version}")
+        if msg.trained_version > self._version:
+            raise RemoteProtocolError(f"ready with an update of model "
+                                      f"{msg.trained_version}, newer than {self._version}")
+        if self._ready.get(msg.sender) == msg.trained_version \
+                or self._taken.get(msg.sender, -1) >= msg.trained_version:
+            raise ReplayedMessage(f"ready from {msg.sender!r} for model "
+                                  f"{msg.trained_version} already recorded")
+        self._ready.pop(msg.sender, None)  # a newer update: it queues anew
+        self._ready[msg.sender] = msg.trained_version
+        return self._maybe_start(now)
 
     def _maybe_start(self, now: float) -> list[Publish]:
         pol = self.policy
@@ -914,6 +964,11 @@ class RoundMachine:
             return []  # a gateway runs the site's rounds only, from the site's model
         eligible = self._eligible()
         full = pol.cohort_size
+        if self._offer_msg is not None:  # buffered: a round as soon as K are ready
+            if len(eligible) < full or (self._start_gate is not None
+                                        and not self._start_gate(dict(self._available))):
+                return []
+            return self._start(now, eligible[:full])
         if too_few_eligible(len(eligible), policy=pol):
             self._startable_since = None
             return []
@@ -929,8 +984,9 @@ class RoundMachine:
         pol = self.policy
         site = self._site_round if self._upstream is not None else None
         round_id = self._last_round + 1 if site is None else site.round_id
-        if self._share is not None:  # the job's cohort, as the site drew it
-            cohort = tuple(eligible)
+        if self._share is not None or self._offer_msg is not None:
+            # the job's cohort, as the site drew it; a buffer: its first K ready
+            cohort = tuple(sorted(eligible))
         else:
             cohort = (draw_cohort(eligible, policy=pol, round_id=round_id)
                       if self._select is None else self._select(eligible, round_id))
@@ -955,6 +1011,8 @@ class RoundMachine:
         self._last_round = round_id
         for dev in cohort:  # they check in again when the round is over
             self._available.pop(dev, None)
+            if dev in self._ready:  # the update is spent in this round, whatever comes
+                self._taken[dev] = self._ready.pop(dev)
         self._events.append(RoundStarted(round_id=round_id, cohort=cohort,
                                          model_version=self._version))
         self._events.append(StageChanged(round_id=round_id, stage=self.stage, prev="idle"))
@@ -969,8 +1027,12 @@ class RoundMachine:
         needs the current version; a device checks in again when it has the model), and
         full flood buckets are as good as none, so both go: the machine's memory follows
         the devices active since the last model, not every device ever seen (issue 19)."""
+        oldest = self._version - (self.policy.max_staleness if self._offer_msg else 0)
         self._available = {d: c for d, c in self._available.items()
-                           if c.model_version == self._version}
+                           if c.model_version >= oldest}
+        fresh = self._version - self.policy.max_staleness
+        self._ready = {d: v for d, v in self._ready.items() if v >= fresh}
+        self._taken = {d: v for d, v in self._taken.items() if v >= fresh}
         self._guard.forget_full(now)
 
     # ------------------------------------------------------------------ site (gateway)

@@ -28,6 +28,7 @@ reservation; the mechanism draws from it in its own fixed order (plan15 R8).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,10 +43,11 @@ from edge_sdk.ledger import BudgetExhausted, LedgerError, Plan, Reservation
 from edge_sdk.mechanisms import MECHANISMS, Contribution, Mechanism
 from edge_sdk.secagg import RoundConfig
 from edge_sdk.train import TrainingDiverged
-from edge_sdk.wire import RoundPlan
+from edge_sdk.wire import BufferOffer, RoundPlan
 
 __all__ = [
     "Declined",
+    "Held",
     "LedgerLike",
     "Prepared",
     "coordinates",
@@ -53,7 +55,10 @@ __all__ = [
     "honest_members",
     "ledger_round",
     "mechanism_round",
+    "offer_template",
+    "open_buffered",
     "open_round",
+    "train_ahead",
 ]
 
 logger = logging.getLogger("edge_sdk.round")
@@ -270,3 +275,190 @@ def open_round(
                                                   "update", reservation=reservation)
     return Prepared(contribution=contribution, config=config, ledger_plan=ledger_plan,
                     reservation=reservation, honest=honest)
+
+
+# ------------------------------------------------------------------ buffered rounds (issue 19)
+#
+# FedBuff (Nguyen et al. 2022) with secure aggregation: a device trains *ahead* of any plan,
+# under the spend of a round with the offer's settings, reserved before training as in
+# open_round; a buffered round's plan then selects K devices that hold such an update, and
+# each encodes its update weighted by its staleness (wire.BufferOffer.weight) with that
+# round's noise and coordinates. One held update -> one reservation -> at most one encoding:
+# the update is consumed by the first plan it is encoded for, whatever that round's fate.
+
+_AHEAD_RNG = 1 << 62  # rng ids of training ahead: above any round id a fleet reaches
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Held:
+    """An update trained ahead under ``offer`` from model ``trained_version``, waiting for a
+    buffered round. Its spend is reserved (``reservation``, for ``ledger_plan``, the event
+    of a round with the offer's settings); ``update`` is theta_tau - theta_0, float64."""
+
+    offer: BufferOffer
+    trained_version: int
+    update: np.ndarray
+    loss: float
+    m: int
+    ledger_plan: Plan
+    reservation: Reservation
+    honest: int
+
+
+def offer_template(offer: BufferOffer, *, model_version: int) -> RoundPlan:
+    """The plan every buffered round of ``offer`` sends, with placeholders where a round's
+    own values go (round id 1, cohort ``b0..``, zero seed and nonce): what the device reads
+    the offer's events and mechanism settings from before any plan exists. Unsigned, never
+    sent."""
+    return RoundPlan(round_id=1, model_version=model_version,
+                     cohort=tuple(sorted(f"b{i}" for i in range(offer.buffer_size))),
+                     mechanism=offer.mechanism, params=offer.params,
+                     round_seed=bytes(32), bits=offer.bits, length=offer.length,
+                     nonce=bytes(32), degree=offer.degree, threshold=offer.threshold,
+                     min_survivors=offer.min_survivors, max_colluders=offer.max_colluders,
+                     stage_timeout=offer.stage_timeout, secagg=offer.secagg)
+
+
+def _ahead_key(fleet: str, version: int, ledger: LedgerLike) -> str:
+    """A ledger round name no reservation holds yet for training ahead on ``version``
+    (``<fleet>/ahead/<version>.<n>``; n counts earlier ones: a device may train on one
+    version again after its update was spent in a round that failed)."""
+    prefix = f"{fleet}/ahead/{version}."
+    taken = {res.plan.round_id for res in ledger.reservations()}
+    n = 0
+    while f"{prefix}{n}" in taken:
+        n += 1
+    return f"{prefix}{n}"
+
+
+def _ledger_plan(plan: RoundPlan, device: Any, key: str, m: int, honest: int) -> Plan:
+    event, aggregate = device.events(m=m, honest=honest)
+    return Plan(round_id=key, model_id=str(plan.model_version), event=event,
+                aggregate_event=aggregate, cohort_size=plan.min_survivors,
+                secagg_threshold=plan.threshold,
+                device_event=device.device_event(honest=honest),
+                colluders=plan.min_survivors - honest)
+
+
+def train_ahead(
+    offer: BufferOffer,
+    *,
+    fleet: str,
+    ledger: LedgerLike,
+    params: list[np.ndarray] | None,
+    model_version: int,
+    data: Callable[[], tuple[np.ndarray, np.ndarray]],
+    engine: Any,
+    dim: int,
+    round_rng: RoundRng,
+    max_colluders: int,
+) -> Declined | Held:
+    """Train an update ahead of any plan for buffered rounds under ``offer`` (verified).
+
+    The checks and their order are :func:`open_round`'s, on :func:`offer_template`: a ledger
+    that cannot record a spend, no model, a mechanism this device lacks or that cannot
+    train ahead (only ``device-dp`` splits training from encoding), no data, too little
+    noise, no budget: a :class:`Declined` (nothing reserved). Otherwise the spend of one
+    round with the offer's settings is **reserved before training** under a fresh ledger
+    name (``<fleet>/ahead/<version>.<n>``); a non-finite update commits it and declines
+    ``diverged``.
+
+    Raises:
+        RemoteProtocolError: the offer's settings cannot go together.
+    """
+    read_only = getattr(ledger, "read_only", None)
+    if read_only is not None:
+        return Declined(reason="ledger", detail=read_only)
+    if params is None:
+        return Declined(reason="stale_model", detail="holds no model yet")
+    if not has_mechanism(offer.mechanism):
+        return Declined(reason="mechanism", detail=f"this device has no mechanism "
+                                                   f"{offer.mechanism!r}")
+    template = offer_template(offer, model_version=model_version)
+    try:
+        mechanism, settings = mechanism_round(template, dim=dim)
+        RoundConfig.of_plan(template)
+    except ValueError as e:
+        raise RemoteProtocolError(f"offer {offer.round_id}'s settings: {e}") from None
+    device = mechanism.device(settings)
+    if not hasattr(device, "train") or offer.secagg != "secagg+":
+        return Declined(reason="mechanism", detail=f"{offer.mechanism!r} over "
+                                                   f"{offer.secagg!r} cannot train ahead")
+    x, y = data()
+    if len(y) == 0:
+        return Declined(reason="no_data", detail="the local data set is empty")
+    honest = honest_members(template, max_colluders=max_colluders)
+    why = device.refusal(honest=honest)
+    if why is not None:
+        return Declined(reason="noise", detail=why)
+    try:
+        key = _ahead_key(fleet, model_version, ledger)
+        ledger_plan = _ledger_plan(template, device, key, len(y), honest)
+        if ledger.would_exceed(ledger_plan):
+            return Declined(reason="budget", detail=_budget_detail(ledger, ledger_plan))
+        reservation = ledger.reserve(ledger_plan)  # before training (see the module notes)
+    except (BudgetExhausted, LedgerError, ValueError) as e:
+        return Declined(reason="budget" if isinstance(e, BudgetExhausted) else "ledger",
+                        detail=str(e))
+    rng = round_rng(_AHEAD_RNG + model_version)
+    try:
+        update, loss = device.train(params=params, data=(x, y), engine=engine, rng=rng)
+    except TrainingDiverged:
+        try:
+            ledger.commit(reservation)
+        except LedgerError as e:
+            logger.error("cannot commit %s: %s", key, e)
+        return Declined(reason="diverged", detail="local training produced a non-finite "
+                                                  "update", reservation=reservation)
+    return Held(offer=offer, trained_version=model_version, update=update, loss=loss,
+                m=len(y), ledger_plan=ledger_plan, reservation=reservation, honest=honest)
+
+
+def open_buffered(plan: RoundPlan, held: Held, *, dim: int, round_rng: RoundRng,
+                  max_colluders: int) -> Declined | Prepared:
+    """Encode ``held`` into buffered round ``plan`` (verified, selecting this device).
+
+    Declines, the held update unspent by this plan: ``stale_model`` when the plan's model
+    is older than the update's or more than the offer's ``max_staleness`` versions newer;
+    ``mechanism`` when the plan's privacy event (what the device reserved) is not the
+    offer's, or its settings differ from the offer's. Otherwise the update, clipped and
+    weighted by ``offer.weight(tau)``, is encoded with the round's rng (noise, rounding)
+    and coordinates: a :class:`Prepared` whose reservation is the held one.
+
+    Raises:
+        RemoteProtocolError: the plan's settings cannot go together.
+    """
+    offer = held.offer
+    tau = plan.model_version - held.trained_version
+    if not 0 <= tau <= offer.max_staleness:
+        return Declined(reason="stale_model",
+                        detail=f"holds an update of model {held.trained_version}; round "
+                               f"{plan.round_id} is at model {plan.model_version}, at most "
+                               f"{offer.max_staleness} versions allowed")
+    same = offer_template(offer, model_version=plan.model_version)
+    fields = ("mechanism", "params", "bits", "length", "degree", "threshold",
+              "min_survivors", "max_colluders", "stage_timeout", "secagg")
+    differ = [f for f in fields if getattr(plan, f) != getattr(same, f)]
+    if len(plan.cohort) != offer.buffer_size:
+        differ.append("cohort size")
+    if differ:
+        return Declined(reason="mechanism", detail=f"round {plan.round_id}'s plan differs "
+                                                   f"from offer {offer.round_id} in "
+                                                   f"{', '.join(differ)}")
+    try:
+        mechanism, settings = mechanism_round(plan, dim=dim)
+        config = RoundConfig.of_plan(plan)
+    except ValueError as e:
+        raise RemoteProtocolError(f"round {plan.round_id}'s plan: {e}") from None
+    device = mechanism.device(settings)
+    honest = honest_members(plan, max_colluders=max_colluders)
+    now_plan = _ledger_plan(plan, device, held.ledger_plan.round_id, held.m, honest)
+    if dataclasses.replace(now_plan, model_id=held.ledger_plan.model_id) != held.ledger_plan:
+        return Declined(reason="mechanism", detail=f"round {plan.round_id}'s event is not "
+                                                   f"the one reserved under offer "
+                                                   f"{offer.round_id}")
+    contribution = device.encode(held.update, m=held.m, loss=held.loss,
+                                 coords=coordinates(plan, dim=dim), honest=honest,
+                                 rng=round_rng(plan.round_id), weight=offer.weight(tau))
+    return Prepared(contribution=contribution, config=config, ledger_plan=held.ledger_plan,
+                    reservation=held.reservation, honest=honest)

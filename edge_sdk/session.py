@@ -102,7 +102,7 @@ from edge_sdk.errors import RemoteProtocolError
 from edge_sdk.ledger import Ledger, LedgerError, Plan, Reservation
 from edge_sdk.model import ModelSpec
 from edge_sdk.round import Declined as NotOpened
-from edge_sdk.round import Prepared, open_round
+from edge_sdk.round import Held, Prepared, open_buffered, open_round, train_ahead
 from edge_sdk.secagg import (
     AmortizedSecAggClient,
     DeviceIdentity,
@@ -112,6 +112,7 @@ from edge_sdk.secagg import (
     SecAggClient,
 )
 from edge_sdk.wire import (
+    BufferOffer,
     CheckIn,
     Decline,
     ErrorNotice,
@@ -120,6 +121,7 @@ from edge_sdk.wire import (
     ModelUpdate,
     NeighbourKeys,
     Publish,
+    Ready,
     RevealRequest,
     RoundPlan,
     SecAggDown,
@@ -136,6 +138,7 @@ __all__ = [
     "RoundClosed",
     "RoundOpened",
     "SessionEvent",
+    "TrainedAhead",
     "Uploaded",
 ]
 
@@ -200,7 +203,8 @@ class Declined:
     published :class:`~edge_sdk.wire.Decline`'s (``ledger``, ``already_committed``,
     ``stale_model``, ``mechanism``, ``no_data``, ``budget``, ``diverged``). Only
     ``diverged`` comes after training (its spend is reserved and committed); every other
-    reason leaves before."""
+    reason leaves before. ``round_id`` 0: training ahead for buffered rounds was declined
+    (nothing is published; the device sends no :class:`~edge_sdk.wire.Ready`)."""
 
     round_id: int
     reason: str
@@ -237,7 +241,19 @@ class RoundClosed:
         return self.uploaded and self.reason == _NEW_MODEL
 
 
-SessionEvent = CheckedIn | ModelAdopted | RoundOpened | Declined | Uploaded | RoundClosed
+@dataclass(frozen=True, slots=True)
+class TrainedAhead:
+    """Buffered rounds: an update was trained ahead from model ``model_version`` under
+    offer ``offer``, its spend reserved as ledger round ``ledger_round``; :class:`Ready`
+    went out."""
+
+    model_version: int
+    offer: int
+    ledger_round: str
+
+
+SessionEvent = (CheckedIn | ModelAdopted | RoundOpened | Declined | Uploaded | RoundClosed
+                | TrainedAhead)
 
 
 @dataclass(slots=True)
@@ -332,6 +348,9 @@ class DeviceSession:
         self._checkin_every = checkin_every
         self._next_checkin = math.inf
         self._events: deque[SessionEvent] = deque(maxlen=_EVENTS)
+        self._offer: BufferOffer | None = None  # buffered rounds' offer (issue 19)
+        self._held: Held | None = None  # an update trained ahead under it
+        self._ahead_tried = -1  # the last model version training ahead was tried on
 
     # ------------------------------------------------------------------ properties
 
@@ -366,11 +385,16 @@ class DeviceSession:
     def subscriptions(self) -> list[str]:
         """MQTT topic filters: this device's downlink and the global model."""
         down = wire.device_down_topic(self.fleet, self.device, "x")[:-1]
-        return [down + "+", wire.model_topic(self.fleet)]
+        return [down + "+", wire.model_topic(self.fleet), wire.round_topic(self.fleet)]
+
+    @property
+    def held_version(self) -> int | None:
+        """The model version of the update held for a buffered round (None: none held)."""
+        return None if self._held is None else self._held.trained_version
 
     def on_connect(self, now: float) -> list[Publish]:
-        """(Re)connected: check in."""
-        return [self._checkin(now)]
+        """(Re)connected: check in (and, in buffered rounds, say ready again)."""
+        return [self._checkin(now), *self._ahead(now)]
 
     def on_tick(self, now: float) -> list[Publish]:
         """Give up on a round that has gone silent (the aggregator dropped this device);
@@ -378,7 +402,7 @@ class DeviceSession:
         r = self._round
         if r is not None and now - r.last_heard > _GIVE_UP_STAGES * r.plan.stage_timeout:
             self._end_round(_SILENT)
-            return [self._checkin(now)]
+            return [self._checkin(now), *self._ahead(now)]
         if r is None and now >= self._next_checkin:
             return [self._checkin(now)]
         return []
@@ -401,6 +425,10 @@ class DeviceSession:
             if not isinstance(msg, ModelUpdate):
                 raise RemoteProtocolError(f"a {msg.KIND} message on the model topic")
             return self._on_model(msg, now)
+        if topic == wire.round_topic(self.fleet):
+            offer = wire.decode(payload, wire.OFFER_KINDS)
+            assert isinstance(offer, BufferOffer)
+            return self._on_offer(offer, now)
         prefix = wire.device_down_topic(self.fleet, self.device, "x")[:-1]
         if not topic.startswith(prefix):
             raise RemoteProtocolError("not a topic of this device")
@@ -422,7 +450,7 @@ class DeviceSession:
                                           f"not this device's open round")
             logger.info("%s: round %d ended: %s", self.device, msg.round_id, msg.code)
             self._end_round(msg.code)
-            return [self._checkin(now)]
+            return [self._checkin(now), *self._ahead(now)]
         raise RemoteProtocolError(f"a device does not accept {msg.KIND} messages")
 
     # ------------------------------------------------------------------ model
@@ -446,7 +474,61 @@ class DeviceSession:
         r = self._round
         if r is not None and msg.version > r.plan.model_version:
             self._end_round(_NEW_MODEL)  # the round is over, with or without this device
-        return [] if self._round is not None else [self._checkin(now)]
+        return [] if self._round is not None else [self._checkin(now), *self._ahead(now)]
+
+    # ------------------------------------------------------------------ buffered rounds
+
+    def _on_offer(self, offer: BufferOffer, now: float) -> list[Publish]:
+        self._reg.verify_message(offer)
+        old = self._offer
+        if old is not None and offer.round_id < old.round_id:
+            raise RemoteProtocolError(f"offer {offer.round_id} is older than offer "
+                                      f"{old.round_id}")
+        if old != offer:
+            self._offer = offer
+            if self._held is not None and self._held.offer != offer:
+                # reserved under other settings: no plan of this offer may take it (its
+                # spend stays counted)
+                self._held = None
+                self._ahead_tried = -1
+        return self._ahead(now)
+
+    def _ahead(self, now: float) -> list[Publish]:
+        """Buffered rounds: hold an update trained on the newest model (train it, once per
+        model version, when there is none or the one held is too stale for the offer) and
+        say :class:`Ready`. Nothing outside buffered rounds or while a round is open."""
+        offer = self._offer
+        if offer is None or self._round is not None or self._params is None:
+            return []
+        held = self._held
+        if held is not None and self._version - held.trained_version > offer.max_staleness:
+            held = self._held = None  # no round may take it any more
+        if held is None:
+            if self._ahead_tried == self._version:
+                return []  # tried on this model already (declined, or spent in a round)
+            self._ahead_tried = self._version
+            d = sum(math.prod(s) for s in self._shapes)
+            got = train_ahead(offer, fleet=self.fleet, ledger=self._ledger,
+                              params=self._params, model_version=self._version,
+                              data=self._data, engine=self._engine, dim=d,
+                              round_rng=self._round_rng, max_colluders=self._max_colluders)
+            if isinstance(got, NotOpened):
+                logger.info("%s does not train ahead on model %d: %s (%s)", self.device,
+                            self._version, got.reason, got.detail, extra={"fedge": {
+                                "event": "decline", "device": self.device,
+                                "round": None, "reason": got.reason}})
+                self._events.append(Declined(round_id=0, reason=got.reason,
+                                             detail=got.detail))
+                return []
+            held = self._held = got
+            self._events.append(TrainedAhead(model_version=got.trained_version,
+                                             offer=offer.round_id,
+                                             ledger_round=got.ledger_plan.round_id))
+        msg = wire.sign(Ready(round_id=self._last_round, sender=self.device,
+                              offer=held.offer.round_id,
+                              trained_version=held.trained_version), self._idn)
+        return [Publish(wire.device_up_topic(self.fleet, self.device, "ready"),
+                        wire.encode(msg))]
 
     # ------------------------------------------------------------------ plan
 
@@ -488,14 +570,24 @@ class DeviceSession:
                                        f"masked for round {last}, after {plan.round_id}"),
                         self._checkin(now)]
         d = sum(math.prod(s) for s in self._shapes)
-        got = open_round(plan, fleet=self.fleet, ledger=self._ledger, params=self._params,
-                         model_version=self._version, data=self._data, engine=self._engine,
-                         dim=d, round_rng=self._round_rng, max_colluders=self._max_colluders)
+        held = self._held
+        got: NotOpened | Prepared
+        if held is not None:  # a buffered round: the update trained ahead goes in
+            got = open_buffered(plan, held, dim=d, round_rng=self._round_rng,
+                                max_colluders=self._max_colluders)
+            if isinstance(got, Prepared) or got.reason == "stale_model":
+                self._held = None  # encoded once (or useless): never into another round
+        else:  # synchronous (or a device that lost its held update: train now)
+            got = open_round(plan, fleet=self.fleet, ledger=self._ledger,
+                             params=self._params, model_version=self._version,
+                             data=self._data, engine=self._engine, dim=d,
+                             round_rng=self._round_rng, max_colluders=self._max_colluders)
         if isinstance(got, NotOpened):
             # the round is over for this device: it checks in again at once, as after any
             # round (with no round open; a failed round sends decliners nothing, and a
             # device that repeats no check-ins would be lost to the aggregator)
-            return [*self._decline(plan, got.reason, got.detail), self._checkin(now)]
+            return [*self._decline(plan, got.reason, got.detail), self._checkin(now),
+                    *self._ahead(now)]
         residues, config, ledger_plan = got.contribution.values, got.config, got.ledger_plan
         reservation = got.reservation
         self._last_round = plan.round_id
@@ -647,6 +739,10 @@ class DeviceSession:
             self._events.append(RoundClosed(round_id=r.plan.round_id, reason=why,
                                             uploaded=r.upload is not None,
                                             model_version=self._version))
+            if why != _NEW_MODEL:
+                # no new model from that round (failed, dropped): a buffered device may
+                # train ahead on the model it holds once more (a new reservation)
+                self._ahead_tried = -1
         self._round = None
 
     def _checkin(self, now: float) -> Publish:

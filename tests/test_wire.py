@@ -142,6 +142,14 @@ def golden_messages() -> dict[str, wire.Message]:
             agg),
         "error": wire.sign(ErrorNotice(round_id=7, recipient="dev-c", code="round_failed",
                                        detail="2 of 3 survived, need 3"), agg),
+        # buffered rounds (issue 19): the offer (every plan setting) and a device's Ready
+        "offer": wire.sign(wire.BufferOffer(
+            round_id=2, mechanism="gaussian", params=params, bits=32, length=5,
+            degree=cfg.degree, threshold=cfg.threshold, min_survivors=2, max_colluders=1,
+            stage_timeout=30.0, buffer_size=len(cfg.cohort), max_staleness=4,
+            staleness_exponent=0.5), agg),
+        "ready": wire.sign(wire.Ready(round_id=6, sender="dev-a", offer=2,
+                                      trained_version=3), devs[0]),
         # the site <-> gateway kinds (issue 19): agg stands in for the site, dev-a's key
         # for gateway "dev-a"
         "site_round": wire.sign(wire.SiteRound(round_id=7, model_version=3,
@@ -173,7 +181,8 @@ KIND_NAMES = sorted(ALL_KINDS)
 def test_every_kind_has_a_golden_vector(messages) -> None:
     assert sorted(messages) == KIND_NAMES
     assert all(m.KIND == k for k, m in messages.items())
-    assert set(UP_KINDS) | set(DOWN_KINDS) | {"model"} | set(wire.SITE_KINDS) == set(ALL_KINDS)
+    assert set(UP_KINDS) | set(DOWN_KINDS) | {"model"} | set(wire.OFFER_KINDS) \
+        | set(wire.SITE_KINDS) == set(ALL_KINDS)
     assert not set(wire.SITE_KINDS) & set(wire.DEVICE_KINDS)  # no device decodes them
     assert not set(UP_KINDS) & set(DOWN_KINDS)
     assert set(SECAGG_UP) <= set(UP_KINDS) and set(SECAGG_DOWN) <= set(DOWN_KINDS)

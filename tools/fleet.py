@@ -368,6 +368,8 @@ class Fleet:
             ``DropoutSchedule(cfg.dropout, cfg.seed)`` when ``cfg.dropout > 0``).
         share, start_gate: the round machine's (``RoundMachine(share=..., start_gate=...)``;
             default gate: every device checked in on the current model).
+        budget: every device ledger's budget (default: ``cfg.budget_epsilon`` or
+            :data:`FLEET_BUDGET_EPSILON` at ``cfg.delta``, no device-level limit).
     """
 
     def __init__(self, cfg: SimConfig, workdir: str | Path, *, out: TextIO | None = None,
@@ -376,7 +378,8 @@ class Fleet:
                  upstream: Upstream | None = None,
                  select: Callable[[Sequence[str], int], tuple[str, ...]] | None = None,
                  schedule: Any = None, share: str | None = None,
-                 start_gate: Callable[[Mapping[str, CheckIn]], bool] | None = None) -> None:
+                 start_gate: Callable[[Mapping[str, CheckIn]], bool] | None = None,
+                 budget: Budget | None = None) -> None:
         t0 = time.perf_counter()
         cfg.fleet_checks()
         self.cfg = cfg
@@ -403,8 +406,9 @@ class Fleet:
         self.ids = {n: secagg.DeviceIdentity.generate(n, random_bytes=seeded_bytes(
             f"fedge-fleet/{cfg.seed}/id/{n}")) for n in self.names}
         self.registry = secagg.Registry.of(self.agg_id, list(self.ids.values()))
-        self.budget = Budget(epsilon=(FLEET_BUDGET_EPSILON if cfg.budget_epsilon is None
-                                      else cfg.budget_epsilon), delta=cfg.delta)
+        self.budget = budget if budget is not None else Budget(
+            epsilon=(FLEET_BUDGET_EPSILON if cfg.budget_epsilon is None
+                     else cfg.budget_epsilon), delta=cfg.delta)
         self.policy = round_policy(cfg, sizes) if policy is None else policy
         self.initial = initial_params(cfg, self.spec)
         (self.workdir / "ledgers").mkdir(parents=True, exist_ok=True)

@@ -462,21 +462,62 @@ class DeviceDpDevice:
     def contribute(self, *, params: Sequence[np.ndarray], data: tuple[np.ndarray, np.ndarray],
                    engine: Engine, coords: np.ndarray | None, honest: int,
                    rng: np.random.Generator) -> Contribution:
-        """Train, restrict to ``coords``, clip to S, rotate, scale, round, noise, reduce.
+        """Train, restrict to ``coords``, clip to S, rotate, scale, round, noise, reduce
+        (:meth:`train` then :meth:`encode`, one ``rng``).
 
         Raises:
             ValueError: ``coords`` does not match the round (None iff dense, k of them).
             edge_sdk.train.TrainingDiverged: a non-finite update (nothing to release).
         """
+        self._check_coords(coords)
+        x, y = data
+        update, loss = self.train(params=params, data=data, engine=engine, rng=rng)
+        return self.encode(update, m=len(y), loss=loss, coords=coords, honest=honest,
+                           rng=rng)
+
+    def _check_coords(self, coords: np.ndarray | None) -> None:
         p = self.params
         if (coords is None) != (p.sparsity == 1.0) or (
                 coords is not None and len(coords) != p.kept):
             raise ValueError(f"coords must be None when dense and {p.kept} indices "
                              f"otherwise (sparsity {p.sparsity})")
+
+    def train(self, *, params: Sequence[np.ndarray], data: tuple[np.ndarray, np.ndarray],
+              engine: Engine, rng: np.random.Generator) -> tuple[np.ndarray, float]:
+        """(theta_tau - theta_0 over every parameter, float64; mean loss): the local round
+        alone, what a buffered round's member does ahead of its plan (issue 19).
+
+        Raises:
+            edge_sdk.train.TrainingDiverged: a non-finite update.
+        """
         x, y = data
-        update, loss = local_update(engine, params, x, y, p.training, rng)
+        return local_update(engine, params, x, y, self.params.training, rng)
+
+    def encode(self, update: np.ndarray, *, m: int, loss: float, coords: np.ndarray | None,
+               honest: int, rng: np.random.Generator, weight: float = 1.0) -> Contribution:
+        """Restrict :meth:`train`'s ``update`` (from ``m`` samples) to ``coords``, clip to S,
+        scale by ``weight``, rotate, scale, round, noise, reduce.
+
+        ``weight`` in (0, 1] is a buffered round's staleness weight (``wire.BufferOffer``):
+        applied after the clip, so the weighted update's norm is at most weight x S <= S and
+        every event of the round (stated for S) still holds; 1 leaves the values bit for bit
+        those of the unweighted encoding.
+
+        Raises:
+            ValueError: ``coords`` does not match the round, or ``weight`` outside (0, 1]
+                (with adaptive clipping only 1: the indicator reads the unweighted norm).
+        """
+        self._check_coords(coords)
+        p = self.params
+        if not (0.0 < weight <= 1.0):
+            raise ValueError(f"weight must be in (0, 1], got {weight!r}")
+        if weight != 1.0 and p.indicator_scale:
+            raise ValueError("a staleness weight cannot go with adaptive clipping")
         kept = update if coords is None else update[coords]
         norm = float(np.linalg.norm(kept))
+        if weight != 1.0:
+            # w clip_S(u): a stale update counts less however long it was
+            kept = kept * (weight * min(1.0, p.update_clip / norm) if norm > 0 else weight)
         if p.indicator_scale:  # adaptive clipping: the indicator rides in the same release
             below = 1.0 if norm <= p.update_clip else 0.0
             clipped = kept * min(1.0, p.update_clip / norm) if norm > 0 else kept
@@ -486,9 +527,9 @@ class DeviceDpDevice:
         if p.sample_rate < 1.0 and not rng.random() < p.sample_rate:
             kept = np.zeros_like(kept)
         values = ddp.encode_device(kept, p.encoding, p.round_seed, rng)
-        event, aggregate = self.events(m=len(y), honest=honest)
+        event, aggregate = self.events(m=m, honest=honest)
         return Contribution(values=values, event=event, aggregate_event=aggregate,
-                            num_samples=len(y), mean_loss=loss,
+                            num_samples=m, mean_loss=loss,
                             diagnostics={"clipped": int(norm > p.update_clip)},
                             device_event=self.device_event(honest=honest))
 

@@ -108,6 +108,9 @@ __all__ = [
     "RoundPlan",
     "SECAGG_PROTOCOLS",
     "SITE_KINDS",
+    "OFFER_KINDS",
+    "BufferOffer",
+    "Ready",
     "GatewaySum",
     "ShareKeys",
     "SiteRound",
@@ -691,6 +694,92 @@ class ModelUpdate(Message):
         return [a.to_numpy() for a in self.arrays]
 
 
+# =========================================================================== buffered rounds
+
+
+@message(kind="offer", signer=AGGREGATOR, party=None)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BufferOffer(Message):
+    """Aggregator -> every device (retained on the fleet's round topic): buffered
+    asynchronous rounds are open (FedBuff, Nguyen et al. 2022; ``aggregator.rounds``, issue
+    19). A device that holds the newest model and no update trains one ahead, under the
+    spend of a round with these settings (reserved in its ledger first), and says so with
+    :class:`Ready`; the aggregator starts a round (a :class:`RoundPlan`) once
+    ``buffer_size`` devices are ready, and each member adds its held update, weighted by
+    its staleness, to that round's secure sum.
+
+    Attributes:
+        round_id: the offer's generation (>= 1; a new one whenever its settings change).
+        mechanism, params, bits, length, degree, threshold, min_survivors, max_colluders,
+            stage_timeout, secagg: exactly those of every plan the buffered rounds will send
+            (``RoundPlan``); the device reserves the event these imply and refuses a plan
+            whose event differs.
+        buffer_size: K, the members of each buffered round (its cohort size).
+        max_staleness: the most model versions a held update may lag the plan's model
+            (0: only updates trained on the plan's own model).
+        staleness_exponent: a in the weight (1 + tau)^-a that a member trained tau versions
+            behind applies to its clipped update before noise and masking (FedBuff's
+            polynomial staleness weight; 0: no weighting). The weight is at most 1, so the
+            update's L2 bound, and with it every privacy event, stays the plan's.
+    """
+
+    round_id: int = Round(1)
+    mechanism: str = Name()
+    params: Any = ParamsOf("mechanism", MECHANISM_PARAMS)
+    bits: int = Int(2, 64)
+    length: int = Int(1, "max_array_elements")
+    degree: int = Int(2, "max_cohort")
+    threshold: int = Int(1, "max_cohort")
+    min_survivors: int = Int(1, "max_cohort")
+    max_colluders: int = Int(0, "max_cohort")
+    stage_timeout: float = Float(0.0, 86400.0, open_lo=True)
+    secagg: str = Str(choices=SECAGG_PROTOCOLS, default="secagg+")
+    buffer_size: int = Int(3, "max_cohort")
+    max_staleness: int = Int(0, ROUND_HI)
+    staleness_exponent: float = Float(0.0, 8.0)
+    sig: bytes = Sig()
+
+    def wire_check(self, limits: Limits) -> None:
+        problem = neighbourhood_problem(self.buffer_size, self.degree, self.threshold)
+        if problem:
+            raise ValueError(f"secagg parameters: {problem}")
+        if not self.threshold <= self.min_survivors <= self.buffer_size:
+            raise ValueError(f"min_survivors must be in [threshold={self.threshold}, "
+                             f"buffer_size={self.buffer_size}], got {self.min_survivors}")
+        problem = colluder_problem(self.max_colluders, threshold=self.threshold,
+                                   min_survivors=self.min_survivors)
+        if problem:
+            raise ValueError(problem)
+
+    def weight(self, staleness: int) -> float:
+        """(1 + staleness)^-a, the factor a member ``staleness`` versions behind applies."""
+        if staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {staleness}")
+        return float((1.0 + staleness) ** -self.staleness_exponent)
+
+
+@message(kind="ready", signer=DEVICE)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ready(Message):
+    """Device -> aggregator: "I hold an update trained ahead under offer ``offer``"
+    (buffered rounds, :class:`BufferOffer`).
+
+    Attributes:
+        round_id: the last round the device saw a plan of (0: none); informational.
+        sender: the device.
+        offer: the offer generation the update's spend was reserved under.
+        trained_version: the model version the update was trained from; the aggregator
+            selects it only into a round whose model is at most the offer's
+            ``max_staleness`` versions newer.
+    """
+
+    round_id: int = Round()
+    sender: str = From()
+    offer: int = Int(1, ROUND_HI)
+    trained_version: int = Int(0, ROUND_HI)
+    sig: bytes = Sig()
+
+
 # =========================================================================== site <-> gateway
 
 
@@ -787,17 +876,20 @@ SECAGG_UP = catalog(AdvertiseKeys, ShareKeys, MaskedPart, UnmaskResponse, Reveal
 """The SecAgg kinds a device sends (their signatures bind the RoundConfig digest)."""
 SECAGG_DOWN = catalog(NeighbourKeys, ForwardedShares, UnmaskRequest, RevealRequest)
 """The SecAgg kinds the aggregator sends to one device."""
-UP_KINDS = catalog(CheckIn, Decline, *SECAGG_UP.values())
+UP_KINDS = catalog(CheckIn, Decline, Ready, *SECAGG_UP.values())
 """Everything the aggregator accepts from a device (its ``up/<kind>`` topics)."""
 DOWN_KINDS = catalog(RoundPlan, ErrorNotice, *SECAGG_DOWN.values())
 """Everything a device accepts on its ``down/<kind>`` topics."""
 MODEL_KINDS = catalog(ModelUpdate)
 """The retained model topic's one kind."""
-DEVICE_KINDS = catalog(RoundPlan, ErrorNotice, ModelUpdate, *SECAGG_DOWN.values())
-"""Everything a device decodes (down topics and the model)."""
+OFFER_KINDS = catalog(BufferOffer)
+"""The fleet round topic's one kind (retained): the offer of buffered rounds."""
+DEVICE_KINDS = catalog(RoundPlan, ErrorNotice, ModelUpdate, BufferOffer,
+                       *SECAGG_DOWN.values())
+"""Everything a device decodes (down topics, the model and the offer)."""
 SITE_KINDS = catalog(SiteRound, GatewaySum)
 """The site <-> gateway kinds (``aggregator.site``); no device decodes them."""
-ALL_KINDS = catalog(*UP_KINDS.values(), *DOWN_KINDS.values(), ModelUpdate,
+ALL_KINDS = catalog(*UP_KINDS.values(), *DOWN_KINDS.values(), ModelUpdate, BufferOffer,
                     *SITE_KINDS.values())
 """Every top-level kind (``encrypted_share`` only travels nested)."""
 

@@ -34,6 +34,7 @@ __all__ = [
     "fleet_topic",
     "gateway_up_topic",
     "model_topic",
+    "round_topic",
     "mqtt_publish_size",
     "site_job_topic",
     "site_model_topic",
@@ -66,6 +67,11 @@ def device_down_topic(fleet: str, device: str, kind: str) -> str:
     return (
         f"{fleet_topic(fleet)}/dev/{check_name('device', device)}/down/{check_name('kind', kind)}"
     )
+
+
+def round_topic(fleet: str) -> str:
+    """Round announcements, retained (the offer of buffered rounds): ``fedge/<fleet>/round``."""
+    return f"{fleet_topic(fleet)}/round"
 
 
 def status_topic(fleet: str, device: str) -> str:
