@@ -484,9 +484,9 @@ class RoundMachine:
                 raise ValueError("buffered rounds run in a flat fleet (no upstream, no "
                                  "select): their cohort is whoever is ready first")
             self._offer_msg = wire.sign(draw_offer(policy, dim=self.dimension), identity)
-        self._ready: dict[str, int] = {}
-        self._taken: dict[str, int] = {}  # device -> the newest version of its updates that
-        # a round took (a Ready for it again is a duplicate: each update goes in once)
+        self._ready: dict[str, tuple[int, int]] = {}  # device -> (version, attempt)
+        self._taken: dict[str, tuple[int, int]] = {}  # device -> its newest update that a
+        # round took (a Ready for it, or an older one, again is a duplicate: once each)
 
     # ------------------------------------------------------------------ properties
 
@@ -914,7 +914,7 @@ class RoundMachine:
             return out
         # buffered: those holding a fresh enough update, the longest-waiting first
         ok = set(out)
-        return [d for d, v in self._ready.items()
+        return [d for d, (v, _) in self._ready.items()
                 if d in ok and self._version - v <= self.policy.max_staleness]
 
     def _on_ready(self, msg: Ready, now: float) -> list[Publish]:
@@ -933,12 +933,13 @@ class RoundMachine:
         if msg.trained_version > self._version:
             raise RemoteProtocolError(f"ready with an update of model "
                                       f"{msg.trained_version}, newer than {self._version}")
-        if self._ready.get(msg.sender) == msg.trained_version \
-                or self._taken.get(msg.sender, -1) >= msg.trained_version:
-            raise ReplayedMessage(f"ready from {msg.sender!r} for model "
-                                  f"{msg.trained_version} already recorded")
-        self._ready.pop(msg.sender, None)  # a newer update: it queues anew
-        self._ready[msg.sender] = msg.trained_version
+        update = (msg.trained_version, msg.attempt)
+        if self._ready.get(msg.sender) == update \
+                or self._taken.get(msg.sender, (-1, -1)) >= update:
+            raise ReplayedMessage(f"ready from {msg.sender!r} for update {update} (model, "
+                                  f"attempt) already recorded")
+        self._ready.pop(msg.sender, None)  # another update: it queues anew
+        self._ready[msg.sender] = update
         return self._maybe_start(now)
 
     def _maybe_start(self, now: float) -> list[Publish]:
@@ -1031,8 +1032,8 @@ class RoundMachine:
         self._available = {d: c for d, c in self._available.items()
                            if c.model_version >= oldest}
         fresh = self._version - self.policy.max_staleness
-        self._ready = {d: v for d, v in self._ready.items() if v >= fresh}
-        self._taken = {d: v for d, v in self._taken.items() if v >= fresh}
+        self._ready = {d: u for d, u in self._ready.items() if u[0] >= fresh}
+        self._taken = {d: u for d, u in self._taken.items() if u[0] >= fresh}
         self._guard.forget_full(now)
 
     # ------------------------------------------------------------------ site (gateway)

@@ -291,12 +291,14 @@ _AHEAD_RNG = 1 << 62  # rng ids of training ahead: above any round id a fleet re
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Held:
-    """An update trained ahead under ``offer`` from model ``trained_version``, waiting for a
-    buffered round. Its spend is reserved (``reservation``, for ``ledger_plan``, the event
+    """An update trained ahead under ``offer`` from model ``trained_version`` (the
+    ``attempt``-th on that version: ledger round ``<fleet>/ahead/<version>.<attempt>``),
+    waiting for a buffered round. Its spend is reserved (``reservation``, for ``ledger_plan``, the event
     of a round with the offer's settings); ``update`` is theta_tau - theta_0, float64."""
 
     offer: BufferOffer
     trained_version: int
+    attempt: int
     update: np.ndarray
     loss: float
     m: int
@@ -319,16 +321,16 @@ def offer_template(offer: BufferOffer, *, model_version: int) -> RoundPlan:
                      stage_timeout=offer.stage_timeout, secagg=offer.secagg)
 
 
-def _ahead_key(fleet: str, version: int, ledger: LedgerLike) -> str:
-    """A ledger round name no reservation holds yet for training ahead on ``version``
-    (``<fleet>/ahead/<version>.<n>``; n counts earlier ones: a device may train on one
+def _ahead_key(fleet: str, version: int, ledger: LedgerLike) -> tuple[str, int]:
+    """(A ledger round name no reservation holds yet for training ahead on ``version``,
+    ``<fleet>/ahead/<version>.<n>``; n): n counts earlier ones (a device may train on one
     version again after its update was spent in a round that failed)."""
     prefix = f"{fleet}/ahead/{version}."
     taken = {res.plan.round_id for res in ledger.reservations()}
     n = 0
     while f"{prefix}{n}" in taken:
         n += 1
-    return f"{prefix}{n}"
+    return f"{prefix}{n}", n
 
 
 def _ledger_plan(plan: RoundPlan, device: Any, key: str, m: int, honest: int) -> Plan:
@@ -381,9 +383,14 @@ def train_ahead(
     except ValueError as e:
         raise RemoteProtocolError(f"offer {offer.round_id}'s settings: {e}") from None
     device = mechanism.device(settings)
-    if not hasattr(device, "train") or offer.secagg != "secagg+":
+    if not hasattr(device, "train") or offer.secagg != "secagg+" \
+            or getattr(settings, "indicator_scale", 0.0):
+        # (adaptive clipping's indicator would read a weighted norm: RoundPolicy refuses
+        # it, and so does the device, before anything is reserved)
         return Declined(reason="mechanism", detail=f"{offer.mechanism!r} over "
-                                                   f"{offer.secagg!r} cannot train ahead")
+                                                   f"{offer.secagg!r} (adaptive clipping: "
+                                                   f"{bool(getattr(settings, 'indicator_scale', 0.0))}) "
+                                                   f"cannot train ahead")
     x, y = data()
     if len(y) == 0:
         return Declined(reason="no_data", detail="the local data set is empty")
@@ -392,7 +399,7 @@ def train_ahead(
     if why is not None:
         return Declined(reason="noise", detail=why)
     try:
-        key = _ahead_key(fleet, model_version, ledger)
+        key, attempt = _ahead_key(fleet, model_version, ledger)
         ledger_plan = _ledger_plan(template, device, key, len(y), honest)
         if ledger.would_exceed(ledger_plan):
             return Declined(reason="budget", detail=_budget_detail(ledger, ledger_plan))
@@ -410,7 +417,8 @@ def train_ahead(
             logger.error("cannot commit %s: %s", key, e)
         return Declined(reason="diverged", detail="local training produced a non-finite "
                                                   "update", reservation=reservation)
-    return Held(offer=offer, trained_version=model_version, update=update, loss=loss,
+    return Held(offer=offer, trained_version=model_version, attempt=attempt,
+                update=update, loss=loss,
                 m=len(y), ledger_plan=ledger_plan, reservation=reservation, honest=honest)
 
 
@@ -457,8 +465,11 @@ def open_buffered(plan: RoundPlan, held: Held, *, dim: int, round_rng: RoundRng,
         return Declined(reason="mechanism", detail=f"round {plan.round_id}'s event is not "
                                                    f"the one reserved under offer "
                                                    f"{offer.round_id}")
-    contribution = device.encode(held.update, m=held.m, loss=held.loss,
-                                 coords=coordinates(plan, dim=dim), honest=honest,
-                                 rng=round_rng(plan.round_id), weight=offer.weight(tau))
+    try:
+        contribution = device.encode(held.update, m=held.m, loss=held.loss,
+                                     coords=coordinates(plan, dim=dim), honest=honest,
+                                     rng=round_rng(plan.round_id), weight=offer.weight(tau))
+    except ValueError as e:  # settings the encoding refuses: a bad plan, nothing sent
+        raise RemoteProtocolError(f"round {plan.round_id}'s plan: {e}") from None
     return Prepared(contribution=contribution, config=config, ledger_plan=held.ledger_plan,
                     reservation=held.reservation, honest=honest)

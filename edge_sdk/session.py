@@ -526,7 +526,8 @@ class DeviceSession:
                                              ledger_round=got.ledger_plan.round_id))
         msg = wire.sign(Ready(round_id=self._last_round, sender=self.device,
                               offer=held.offer.round_id,
-                              trained_version=held.trained_version), self._idn)
+                              trained_version=held.trained_version,
+                              attempt=held.attempt), self._idn)
         return [Publish(wire.device_up_topic(self.fleet, self.device, "ready"),
                         wire.encode(msg))]
 
@@ -577,7 +578,12 @@ class DeviceSession:
                                 max_colluders=self._max_colluders)
             if isinstance(got, Prepared) or got.reason == "stale_model":
                 self._held = None  # encoded once (or useless): never into another round
-        else:  # synchronous (or a device that lost its held update: train now)
+        elif self._offer is not None:
+            # buffered rounds and no update held: this device's update went into this
+            # round before a restart, or into another one; training now would spend again
+            got = NotOpened(reason="stale_model", detail="buffered round: this device "
+                                                         "holds no update trained ahead")
+        else:  # synchronous
             got = open_round(plan, fleet=self.fleet, ledger=self._ledger,
                              params=self._params, model_version=self._version,
                              data=self._data, engine=self._engine, dim=d,

@@ -149,7 +149,7 @@ def golden_messages() -> dict[str, wire.Message]:
             stage_timeout=30.0, buffer_size=len(cfg.cohort), max_staleness=4,
             staleness_exponent=0.5), agg),
         "ready": wire.sign(wire.Ready(round_id=6, sender="dev-a", offer=2,
-                                      trained_version=3), devs[0]),
+                                      trained_version=3, attempt=1), devs[0]),
         # the site <-> gateway kinds (issue 19): agg stands in for the site, dev-a's key
         # for gateway "dev-a"
         "site_round": wire.sign(wire.SiteRound(round_id=7, model_version=3,

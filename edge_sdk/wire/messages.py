@@ -771,12 +771,17 @@ class Ready(Message):
         trained_version: the model version the update was trained from; the aggregator
             selects it only into a round whose model is at most the offer's
             ``max_staleness`` versions newer.
+        attempt: the update's number among those this device trained on that version (0
+            first; a device trains again on the same version after a round that took its
+            update failed): (trained_version, attempt) names one update, which one round
+            at most takes.
     """
 
     round_id: int = Round()
     sender: str = From()
     offer: int = Int(1, ROUND_HI)
     trained_version: int = Int(0, ROUND_HI)
+    attempt: int = Int(0, ROUND_HI)
     sig: bytes = Sig()
 
 
