@@ -15,6 +15,17 @@ One :class:`RoundMachine` runs a fleet's rounds (DESIGN, "One round, as data flo
                                               optimizer applies it; publish the new model
                                               (retained) -> IDLE
 
+Buffered asynchronous rounds (``policy.buffered``; FedBuff, Nguyen et al. 2022, issue 19):
+the machine publishes a signed :class:`~edge_sdk.wire.BufferOffer` (retained, with every
+setting its plans will carry) beside the model; devices train ahead and say
+:class:`~edge_sdk.wire.Ready` (the model version their update is from). IDLE then starts a
+round as soon as ``cohort_size`` devices are eligible (checked in on a model at most
+``max_staleness`` versions old, budget left) and hold an update at most that stale: the
+longest-waiting first, not a random draw (the buffer is whoever is ready). The round itself
+is the same four stages; members weight their clipped updates on the device before noise
+and masking (the sum cannot be reweighted after SecAgg), so decoding is unchanged. An
+update a round took is never queued again (a Ready for it is a :class:`Duplicate`).
+
 A stage closes as soon as every device still expected has answered, or at its deadline
 (``policy.stage_timeout`` after it opened); devices missing then are dropped and the
 secure-aggregation protocol recovers them. While a stage is open, its requests are sent

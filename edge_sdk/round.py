@@ -293,8 +293,9 @@ _AHEAD_RNG = 1 << 62  # rng ids of training ahead: above any round id a fleet re
 class Held:
     """An update trained ahead under ``offer`` from model ``trained_version`` (the
     ``attempt``-th on that version: ledger round ``<fleet>/ahead/<version>.<attempt>``),
-    waiting for a buffered round. Its spend is reserved (``reservation``, for ``ledger_plan``, the event
-    of a round with the offer's settings); ``update`` is theta_tau - theta_0, float64."""
+    waiting for a buffered round. Its spend is reserved (``reservation``, for
+    ``ledger_plan``, the event of a round with the offer's settings); ``update`` is
+    theta_tau - theta_0, float64."""
 
     offer: BufferOffer
     trained_version: int
@@ -383,14 +384,13 @@ def train_ahead(
     except ValueError as e:
         raise RemoteProtocolError(f"offer {offer.round_id}'s settings: {e}") from None
     device = mechanism.device(settings)
-    if not hasattr(device, "train") or offer.secagg != "secagg+" \
-            or getattr(settings, "indicator_scale", 0.0):
+    adaptive = bool(getattr(settings, "indicator_scale", 0.0))
+    if not hasattr(device, "train") or offer.secagg != "secagg+" or adaptive:
         # (adaptive clipping's indicator would read a weighted norm: RoundPolicy refuses
         # it, and so does the device, before anything is reserved)
         return Declined(reason="mechanism", detail=f"{offer.mechanism!r} over "
                                                    f"{offer.secagg!r} (adaptive clipping: "
-                                                   f"{bool(getattr(settings, 'indicator_scale', 0.0))}) "
-                                                   f"cannot train ahead")
+                                                   f"{adaptive}) cannot train ahead")
     x, y = data()
     if len(y) == 0:
         return Declined(reason="no_data", detail="the local data set is empty")

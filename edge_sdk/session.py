@@ -41,6 +41,20 @@ round masked for, which the pairwise seeds require the new round to exceed. The
 reservation is committed at the reveal or, when nobody dropped, when the new model ends
 the round.
 
+Buffered rounds (FedBuff, issue 19): when the aggregator publishes a
+:class:`~edge_sdk.wire.BufferOffer` (retained, on the fleet's round topic), the device
+trains *ahead*, on the newest model it holds, whenever it holds no usable update
+(``edge_sdk.round.train_ahead``: the spend of a round with the offer's settings is reserved
+first, under ``<fleet>/ahead/<version>.<n>``) and says :class:`~edge_sdk.wire.Ready`. A
+plan that selects it then takes that update (``edge_sdk.round.open_buffered``: staleness
+tau = plan model - trained model within the offer's ``max_staleness``, the plan's event the
+one reserved; the clipped update weighted by (1 + tau)^-a before noise and masking); the
+rest of the round is the round above. The update is consumed by the first plan it is
+encoded for, whatever becomes of that round; after a round that published no new model the
+device may train once more on the same model (a new reservation). A buffered plan that
+finds no update held (it went into a round before a restart) is declined, never trained
+for again. Only a restart loses a held update (its spend stays counted).
+
 Nothing that depends on the local update leaves before the ledger holds the round's
 reservation: the round is reserved before training, so the upload, the ``diverged``
 decline (a bit of the noisy update) and the device's silence are all counted; a device

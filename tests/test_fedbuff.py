@@ -34,6 +34,7 @@ from edge_sdk.round import (
 from edge_sdk.session import TrainedAhead
 from tests.test_session_rounds import Fleet, _accuracy
 from tools.seeding import seeded_bytes
+from tools.simconfig import FLEET_NAME
 
 FLEET = "lab"
 DELTA = 1e-5
@@ -361,3 +362,31 @@ def test_buffered_rounds_outpace_synchronous_ones_on_the_clock(tmp_path: Path) -
     for row in (sync, buf):
         assert row["max_device_epsilon"] <= row["device_budget"] == 40.0
         assert [c["t"] for c in row["curve"]] == sorted(c["t"] for c in row["curve"])
+
+
+@pytest.mark.broker
+def test_buffered_rounds_over_mosquitto_with_dropouts(tmp_path: Path) -> None:
+    """The same offer, Ready, plans and weighted uploads over a real mosquitto (TLS, a
+    password and ACLs per device): the offer is readable on the fleet's round topic, Ready
+    publishable on each device's uplink, and dropouts are recovered as in a round."""
+    from tools.fleet import Fleet, data_and_engine, shard_indices
+    from tools.simconfig import SimConfig, round_policy
+
+    cfg = SimConfig(dataset="digits", model="logreg", devices=12, participation=1 / 3,
+                    local_steps=5, batch_size=16, lr=0.5, mechanism="device-dp",
+                    update_clip=1.0, noise_multiplier=0.5, seed=3, secagg=True,
+                    progress=False, rounds=3, transport="mqtt", dropout=0.25)
+    data, eng = data_and_engine(cfg)
+    sizes = [len(s) for s in shard_indices(cfg, data)]
+    policy = dataclasses.replace(round_policy(cfg, sizes), buffered=True, max_staleness=2)
+    fleet = Fleet(cfg, tmp_path, data=data, engine=eng, policy=policy)
+    try:
+        res = fleet.run()
+        assert res["rounds_completed"] == 3
+        assert all(r["dropped"] for r in res["rounds"])  # one vanished in each
+        fleet.check_sums()  # each sum is its survivors' inputs, bit for bit
+        for name, led in fleet.ledgers.items():
+            assert all(r.plan.round_id.startswith(f"{FLEET_NAME}/ahead/")
+                       for r in led.reservations()), name
+    finally:
+        fleet.close()

@@ -231,7 +231,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("what",
                    choices=["all", "client", "stacks", "wire", "small-upload", "accountant",
                             "ledger", "secagg", "round-timeline", "scale", "workers",
-                            "envelope", "compare"],
+                            "fedbuff", "envelope", "compare"],
                    help="all: every benchmark, written to docs/benchmarks.md (shortfalls "
                         "against the issues' targets at the top); client: DP-SGD step, fedge "
                         "vs Opacus, beside the FLOP floor; stacks: import time and installed "
@@ -244,6 +244,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "(without --quick) 20 rounds of 1,000: peak RSS, device-rounds/min; "
                         "workers: one gateway's rounds over 1 and 2 worker processes (shared "
                         "subscriptions) over mosquitto: device-rounds/min, same sums; "
+                        "fedbuff: buffered asynchronous rounds vs synchronous ones, time to "
+                        "target accuracy on a simulated clock under a stated availability "
+                        "model, same device-level budget (tools/fedbuff.py); "
                         "accountant: fedge vs dp_accounting; ledger: epsilon_if on a durable "
                         "ledger of 10,000 entries; secagg: one full SecAgg+ "
                         "round vs the mask PRG's floor (needs --clients, --dim, --dropout); "
@@ -360,6 +363,10 @@ def _bench(args: argparse.Namespace) -> int:
         from tools.bench.scale import run_scale_bench
 
         result = {"scale": run_scale_bench(quick=args.quick)}
+    elif args.what == "fedbuff":
+        from tools.bench.fedbuff import run_fedbuff_bench
+
+        result = {"fedbuff": run_fedbuff_bench(quick=args.quick)}
     elif args.what == "workers":
         from tools.bench.workers import run_workers_bench
 

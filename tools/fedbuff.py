@@ -227,10 +227,8 @@ class TimedRun:
                 break
             self.now = t
             if what == "tick":
-                self.broker._call(AGGREGATOR, lambda e: e.on_tick(t))
-                if arg % int(_DEVICE_TICK_S / _AGG_TICK_S) == 0:
-                    for n in sorted(self.online):
-                        self.broker._call(n, lambda e: e.on_tick(t))
+                devices = arg % int(_DEVICE_TICK_S / _AGG_TICK_S) == 0
+                self.broker.tick(t, [AGGREGATOR, *(sorted(self.online) if devices else [])])
                 self.schedule(t + _AGG_TICK_S, "tick", AGGREGATOR, arg + 1)
             elif what == "online":
                 self.online.add(name)

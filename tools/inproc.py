@@ -179,9 +179,9 @@ class MemoryBroker:
             out.append(members[turn % len(members)])
         return out
 
-    def tick(self, now: float) -> None:
-        """Every endpoint's ``on_tick(now)``, then deliver."""
-        for name in list(self.endpoints):
+    def tick(self, now: float, names: list[str] | None = None) -> None:
+        """Every endpoint's (or only ``names``') ``on_tick(now)``, then deliver."""
+        for name in list(self.endpoints) if names is None else names:
             if name in self.endpoints:
                 self._call(name, lambda e: e.on_tick(now))
         self.run(now)
