@@ -66,6 +66,7 @@ from edge_sdk.session import (
     RoundClosed,
     RoundOpened,
     SessionEvent,
+    TrainedAhead,
     Uploaded,
 )
 from edge_sdk.wire import Publish
@@ -336,6 +337,10 @@ class _Agent:
             self._emit({"event": "declined", "round": e.round_id, "reason": e.reason})
         elif isinstance(e, CheckedIn):
             self._emit({"event": "checkin", "model_version": e.model_version})
+        elif isinstance(e, TrainedAhead):  # buffered rounds: trained before any plan
+            self._data.trained()
+            self._emit({"event": "trained_ahead", "model_version": e.model_version,
+                        "ledger_round": e.ledger_round})
 
 
 @dataclass(slots=True)

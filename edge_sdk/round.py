@@ -178,6 +178,17 @@ def _budget_detail(ledger: LedgerLike, plan: Plan) -> str:
     return out
 
 
+def _ledger_plan(plan: RoundPlan, device: Any, key: str, m: int, honest: int) -> Plan:
+    """The ledger's record of ``plan``'s spend under round name ``key``, for ``m`` local
+    samples and ``honest`` honest shares (the device half's events)."""
+    event, aggregate = device.events(m=m, honest=honest)
+    return Plan(round_id=key, model_id=str(plan.model_version), event=event,
+                aggregate_event=aggregate, cohort_size=plan.min_survivors,
+                secagg_threshold=plan.threshold,
+                device_event=device.device_event(honest=honest),
+                colluders=plan.min_survivors - honest)
+
+
 def open_round(
     plan: RoundPlan,
     *,
@@ -240,12 +251,7 @@ def open_round(
     why = device.refusal(honest=honest)
     if why is not None:  # e.g. too few honest shares for the promised noise: nothing spent
         return Declined(reason="noise", detail=why)
-    event, aggregate = device.events(m=len(y), honest=honest)
-    ledger_plan = Plan(round_id=key, model_id=str(plan.model_version), event=event,
-                       aggregate_event=aggregate, cohort_size=plan.min_survivors,
-                       secagg_threshold=plan.threshold,
-                       device_event=device.device_event(honest=honest),
-                       colluders=plan.min_survivors - honest)
+    ledger_plan = _ledger_plan(plan, device, key, len(y), honest)
     try:
         if ledger.would_exceed(ledger_plan):  # on whichever unit has a budget
             return Declined(reason="budget", detail=_budget_detail(ledger, ledger_plan))
@@ -332,15 +338,6 @@ def _ahead_key(fleet: str, version: int, ledger: LedgerLike) -> tuple[str, int]:
     while f"{prefix}{n}" in taken:
         n += 1
     return f"{prefix}{n}", n
-
-
-def _ledger_plan(plan: RoundPlan, device: Any, key: str, m: int, honest: int) -> Plan:
-    event, aggregate = device.events(m=m, honest=honest)
-    return Plan(round_id=key, model_id=str(plan.model_version), event=event,
-                aggregate_event=aggregate, cohort_size=plan.min_survivors,
-                secagg_threshold=plan.threshold,
-                device_event=device.device_event(honest=honest),
-                colluders=plan.min_survivors - honest)
 
 
 def train_ahead(

@@ -418,7 +418,8 @@ class DeviceSession:
             self._end_round(_SILENT)
             return [self._checkin(now), *self._ahead(now)]
         if r is None and now >= self._next_checkin:
-            return [self._checkin(now)]
+            # (and Ready again: a restarted aggregator may have lost its queue)
+            return [self._checkin(now), *self._ahead(now)]
         return []
 
     def on_message(self, topic: str, payload: bytes, now: float) -> list[Publish]:

@@ -100,6 +100,15 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
                         "enrollment: an upload is about the masked vector alone; a "
                         "semi-honest aggregator only, every neighbour of a dropped device "
                         "must answer; see edge_sdk.secagg)")
+    g.add_argument("--buffered", action=argparse.BooleanOptionalAction, default=None,
+                   help="buffered asynchronous rounds (FedBuff): devices train ahead on the "
+                        "newest model they hold, a round starts when a cohort of them is "
+                        "ready, stale updates weighted (1 + tau)^-a (device-dp over "
+                        "secagg+; see aggregator/rounds.py)")
+    g.add_argument("--max-staleness", type=int,
+                   help="buffered rounds: the most model versions an update may lag (4)")
+    g.add_argument("--staleness-exponent", type=float,
+                   help="buffered rounds: a of the weight (1 + tau)^-a (0.5)")
     g.add_argument("--dropout", type=float,
                    help="fraction of each round's cohort that vanishes at a random stage "
                         "(both paths: the same devices at the same stages)")
@@ -142,7 +151,8 @@ def _simulate(args: argparse.Namespace) -> int:
             "binomial_trials",
             "ddg_gamma", "transport", "secagg", "secagg_protocol", "dropout",
             "stage_timeout", "value_bound",
-            "budget_epsilon", "min_survivors", "max_colluders"]
+            "budget_epsilon", "min_survivors", "max_colluders", "buffered",
+            "max_staleness", "staleness_exponent"]
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     if args.quiet:
         overrides["progress"] = False

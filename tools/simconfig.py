@@ -117,6 +117,12 @@ class SimConfig:
     budget_epsilon: float | None = None  # each device ledger's budget (see the class)
     min_survivors: int | None = None  # the fewest uploads a round may sum (None: threshold)
     max_colluders: int = 1  # cohort members assumed to collude with the aggregator
+    # buffered asynchronous rounds (FedBuff, issue 19; RoundPolicy.buffered): fleet path,
+    # device-dp over secagg+ only; a member's update may lag up to max_staleness versions
+    # and is weighted (1 + tau)^-staleness_exponent on the device
+    buffered: bool = False
+    max_staleness: int = 4
+    staleness_exponent: float = 0.5
     progress: bool = field(default=True, compare=False)
 
     def __post_init__(self) -> None:
@@ -133,6 +139,10 @@ class SimConfig:
         elif self.transport == "mqtt" and not self.secagg:
             raise ValueError("transport 'mqtt' runs the fleet with secure aggregation; "
                              "secagg = false is only for transport 'inproc'")
+        if self.buffered and not self.secagg:
+            raise ValueError("buffered rounds run on the fleet path (devices train ahead "
+                             "in their sessions): run them with secure aggregation "
+                             "(--secagg)")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.dataset not in DATASETS:
@@ -342,4 +352,5 @@ def round_policy(cfg: SimConfig, sizes: list[int], *, stage_timeout: float | Non
         noise_multiplier=cfg.noise_multiplier, sparsity=cfg.sparsity,
         quant_levels=quant_levels, value_bound=cfg.value_bound,
         server_opt=cfg.server_opt, server_lr=cfg.server_lr, seed=cfg.seed,
-        secagg=cfg.secagg_protocol, **extra)
+        secagg=cfg.secagg_protocol, buffered=cfg.buffered, max_staleness=cfg.max_staleness,
+        staleness_exponent=cfg.staleness_exponent, **extra)

@@ -366,6 +366,21 @@ def colluder_problem(max_colluders: int, *, threshold: int, min_survivors: int) 
     return None
 
 
+def _check_secagg_settings(msg: Any, n: int, what: str) -> None:
+    """A plan's (or an offer's) SecAgg+ settings for ``n`` members: the neighbourhood rule,
+    threshold <= min_survivors <= n, and the colluder rule (ValueError naming which)."""
+    problem = neighbourhood_problem(n, msg.degree, msg.threshold)
+    if problem:
+        raise ValueError(f"secagg parameters: {problem}")
+    if not msg.threshold <= msg.min_survivors <= n:
+        raise ValueError(f"min_survivors must be in [threshold={msg.threshold}, "
+                         f"{what}={n}], got {msg.min_survivors}")
+    problem = colluder_problem(msg.max_colluders, threshold=msg.threshold,
+                               min_survivors=msg.min_survivors)
+    if problem:
+        raise ValueError(problem)
+
+
 @message(kind="plan", signer=AGGREGATOR, party=None)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RoundPlan(Message):
@@ -416,16 +431,7 @@ class RoundPlan(Message):
     sig: bytes = Sig()
 
     def wire_check(self, limits: Limits) -> None:
-        problem = neighbourhood_problem(len(self.cohort), self.degree, self.threshold)
-        if problem:
-            raise ValueError(f"secagg parameters: {problem}")
-        if not self.threshold <= self.min_survivors <= len(self.cohort):
-            raise ValueError(f"min_survivors must be in [threshold={self.threshold}, "
-                             f"cohort size={len(self.cohort)}], got {self.min_survivors}")
-        problem = colluder_problem(self.max_colluders, threshold=self.threshold,
-                                   min_survivors=self.min_survivors)
-        if problem:
-            raise ValueError(problem)
+        _check_secagg_settings(self, len(self.cohort), "cohort size")
 
 
 # =========================================================================== device -> aggregator
@@ -740,16 +746,7 @@ class BufferOffer(Message):
     sig: bytes = Sig()
 
     def wire_check(self, limits: Limits) -> None:
-        problem = neighbourhood_problem(self.buffer_size, self.degree, self.threshold)
-        if problem:
-            raise ValueError(f"secagg parameters: {problem}")
-        if not self.threshold <= self.min_survivors <= self.buffer_size:
-            raise ValueError(f"min_survivors must be in [threshold={self.threshold}, "
-                             f"buffer_size={self.buffer_size}], got {self.min_survivors}")
-        problem = colluder_problem(self.max_colluders, threshold=self.threshold,
-                                   min_survivors=self.min_survivors)
-        if problem:
-            raise ValueError(problem)
+        _check_secagg_settings(self, self.buffer_size, "buffer_size")
 
     def weight(self, staleness: int) -> float:
         """(1 + staleness)^-a, the factor a member ``staleness`` versions behind applies."""
