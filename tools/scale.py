@@ -25,7 +25,6 @@ within a device), so the devices' data overlap when the fleet outnumbers the exa
 
 from __future__ import annotations
 
-import resource
 import sys
 import time
 from collections.abc import Mapping
@@ -43,6 +42,7 @@ from edge_sdk.model import ModelSpec, build_spec
 from edge_sdk.session import DeviceSession
 from edge_sdk.wire import CheckIn, Publish
 from models import manifest_path
+from tools.bench.rss import peak_rss_mib
 from tools.broker import device_names
 from tools.datasets import Dataset, load_dataset
 from tools.dropouts import DropoutSchedule
@@ -57,20 +57,6 @@ __all__ = ["ScaleFleet", "peak_rss_mib"]
 
 _TICK_S = 0.1
 
-
-def peak_rss_mib() -> float:
-    """This process's peak resident set size so far, MiB: Linux's VmHWM, the high-water
-    mark of this process image. Not ``ru_maxrss``: Linux keeps that across fork and
-    execve, so a child of a large parent (``fedge bench all``) reports the parent's peak
-    (seen: 1,131 MiB for a 230 MiB child). ``ru_maxrss`` where /proc is absent."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _identity(seed: int, name: str) -> secagg.DeviceIdentity:

@@ -99,7 +99,8 @@ base = rss_kib()
 t, c = time.perf_counter(), time.process_time()
 eps = run(acc)
 dt, dc = time.perf_counter() - t, time.process_time() - c
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+from tools.bench.rss import peak_rss_mib
+peak = peak_rss_mib() * 1024
 grid = None
 if impl == "dpa_pld":
     grid = getattr(acc, "_value_discretization_interval", None)

@@ -1,7 +1,7 @@
 """Benchmark 1: the client's clipped, noised DP-SGD step — fedge (onnxruntime + numpy) vs
 Opacus (torch) doing the same step, each in a fresh process, in the same run.
 
-Each measurement runs in its own subprocess so that peak RSS (ru_maxrss) is that of one
+Each measurement runs in its own subprocess so that peak RSS (VmHWM) is that of one
 stack alone, and thread pools are set before any work. Both sides step the same model on
 the same synthetic batch with per-sample clipping to C = 1 and noise multiplier 1. fedge
 draws its noise as a device does (``edge_sdk.csprng.SecureRng``: ChaCha20 keyed from the
@@ -29,6 +29,7 @@ MODELS = {"logreg": ((1, 28, 28), 10), "mlp": ((1, 28, 28), 10), "cnn": ((1, 28,
 
 _CHILD = r'''
 import json, os, resource, sys, time
+from tools.bench.rss import peak_rss_mib
 impl, arch = sys.argv[1], sys.argv[2]
 batch, threads, steps = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 shape, classes = json.loads(sys.argv[6])
@@ -74,7 +75,7 @@ for _ in range(steps):
     step()
 dt = time.perf_counter() - t
 res = {"samples_per_s": steps * batch / dt,
-       "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+       "peak_rss_mib": peak_rss_mib()}
 if impl == "fedge":  # where a step's time goes, after the timed loop (issue 18)
     def timed(fn):
         t0 = time.perf_counter()

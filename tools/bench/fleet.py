@@ -63,6 +63,7 @@ import json, os, resource, sys, tempfile, time
 from pathlib import Path
 devices, rounds, transport = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 from tools.bench.fleet import digits_logreg_fleet
+from tools.bench.rss import peak_rss_mib
 from tools.fleet import Fleet
 
 data, (spec, engine), cfg = digits_logreg_fleet(devices=devices, participation=0.1,
@@ -118,7 +119,7 @@ row = {
     "bytes_up": summary["bytes_up_total"], "bytes_down": summary["bytes_down_total"],
     "bytes_delivered": summary["bytes_delivered_to_devices"],
     "aggregator_cpu_s": cpu[0],
-    "process_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    "process_peak_rss_mib": peak_rss_mib(),
     "model_sha256": summary["model_sha256"], "note": summary["note"],
 }
 if transport == "mqtt":

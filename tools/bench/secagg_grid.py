@@ -53,7 +53,8 @@ from tools.bench.secagg import run_secagg_bench
 n, d, drop = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 full, reps = sys.argv[4] == "1", int(sys.argv[5])
 r = run_secagg_bench(n, d, drop, None, full, reps=reps, out=None)
-r["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+from tools.bench.rss import peak_rss_mib
+r["peak_rss_mib"] = peak_rss_mib()
 print(json.dumps(r))
 '''
 

@@ -60,7 +60,8 @@ import json, resource, sys, time
 t = time.perf_counter()
 exec(sys.argv[1])
 dt = time.perf_counter() - t
-print(json.dumps({"s": dt, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+from tools.bench.rss import peak_rss_mib
+print(json.dumps({"s": dt, "rss_mib": peak_rss_mib()}))
 '''
 
 
