@@ -920,7 +920,8 @@ class RoundMachine:
         # buffered: a member adds the update it holds, whatever model it holds now
         oldest = self._version - (self.policy.max_staleness if self._offer_msg else 0)
         out = eligible_devices({d: c.remaining_epsilon for d, c in self._available.items()
-                                if c.model_version >= oldest}, short=self._short)
+                                if oldest <= c.model_version <= self._version},
+                               short=self._short)
         if self._offer_msg is None:
             return out
         # buffered: those holding a fresh enough update, the longest-waiting first

@@ -47,7 +47,7 @@ import heapq
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -56,14 +56,14 @@ import numpy as np
 
 from aggregator.rounds import RoundEnded, RoundMachine, RoundStarted
 from edge_sdk import wire
-from edge_sdk.ledger import Budget
+from edge_sdk.ledger import Book, Budget, Ledger
 from edge_sdk.session import DeviceSession, RoundOpened, TrainedAhead
 from edge_sdk.wire import Publish
 from tools.fleet import Fleet, data_and_engine, shard_indices
 from tools.inproc import MemoryBroker
 from tools.simconfig import FLEET_NAME, SimConfig, round_policy
 
-__all__ = ["Availability", "TimedRun", "compare_fedbuff", "run_timed"]
+__all__ = ["Availability", "TimedRun", "compare_fedbuff", "device_epsilon_after", "run_timed"]
 
 AGGREGATOR = "aggregator"
 _AGG_TICK_S = 1.0  # the aggregator's tick (deadlines, re-sends, round starts)
@@ -203,9 +203,12 @@ class TimedRun:
                         self.staleness.append(e.model_version - s.held_version)
             if isinstance(e, RoundEnded) and e.outcome.completed:
                 acc = self.fleet._evaluate(self.machine.params)
+                # every reservation is the same event: the most spent is the most counted
+                most = max(len(led.reservations()) for led in self.fleet.ledgers.values())
                 self.curve.append({"t": done, "round": e.outcome.round_id,
                                    "version": e.outcome.model_version,
-                                   "survivors": len(e.outcome.survivors), "accuracy": acc})
+                                   "survivors": len(e.outcome.survivors), "accuracy": acc,
+                                   "max_participations": most})
                 if self.out is not None:
                     print(f"  {'buffered' if self.buffered else 'sync':8s} t={done:8.0f} s "
                           f"round {e.outcome.round_id:3d} model {e.outcome.model_version:3d} "
@@ -277,6 +280,23 @@ class TimedRun:
         }
 
 
+def device_epsilon_after(ledgers: Mapping[str, Ledger], n: int) -> float | None:
+    """The device-level epsilon (nats at the ledgers' delta; zero-out of a device's data,
+    against whoever sees only the sums) of ``n`` participations, each the event the fleet's
+    ledgers reserve (all reservations of a run have the one event: the run's settings),
+    composed by a fresh :class:`~edge_sdk.ledger.Book` as a device's ledger composes them;
+    None for n = 0 or no reservation anywhere."""
+    plan = next((res[0].plan for led in ledgers.values() if (res := led.reservations())),
+                None)
+    if plan is None or n == 0:
+        return None
+    delta = next(iter(ledgers.values())).budget.delta
+    book = Book(budget=None, delta=delta)
+    for i in range(n):
+        book.reserve(dataclasses.replace(plan, round_id=f"composed/{i}"))
+    return book.spent().device_epsilon
+
+
 def run_timed(cfg: SimConfig, availability: Availability, workdir: str | Path, *,
               buffered: bool, target: float, horizon_s: float, device_epsilon: float,
               max_staleness: int = 4, staleness_exponent: float = 0.5,
@@ -300,7 +320,10 @@ def run_timed(cfg: SimConfig, availability: Availability, workdir: str | Path, *
     try:
         run = TimedRun(fleet, availability, target=target, horizon_s=horizon_s,
                        window=window, out=out)
-        return run.run()
+        result = run.run()
+        result["epsilon_of"] = {n: device_epsilon_after(fleet.ledgers, n) for n in sorted(
+            {c["max_participations"] for c in result["curve"]})}
+        return result
     finally:
         fleet.close()
 
