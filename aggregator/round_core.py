@@ -253,6 +253,27 @@ class RoundPolicy:
         if not (math.isfinite(self.value_bound) and self.value_bound > 0):
             raise ValueError(f"value_bound must be finite and > 0, got {self.value_bound!r}")
         self._check_mechanism_settings()
+        if self.secagg not in wire.SECAGG_PROTOCOLS:
+            raise ValueError(f"secagg must be one of {list(wire.SECAGG_PROTOCOLS)}, "
+                             f"got {self.secagg!r}")
+        if self.server_opt not in OPTIMIZERS:
+            raise ValueError(f"server_opt must be one of {sorted(OPTIMIZERS)}, "
+                             f"got {self.server_opt!r}")
+        k = self.config_degree(self.cohort_size)
+        t = self.config_threshold(k)
+        if not 2 * t > k or t > k:
+            raise ValueError(f"threshold must be in (degree/2, degree] = ({k / 2}, {k}], got {t}")
+        s = self.survivors_needed(self.min_cohort or self.cohort_size)
+        if not t <= s <= (self.min_cohort or self.cohort_size):
+            raise ValueError(f"min_survivors must be in [threshold={t}, min cohort], got {s}")
+        n_min = self.min_cohort or self.cohort_size  # the smallest cohort has the lowest t
+        problem = wire.colluder_problem(
+            self.max_colluders, threshold=self.config_threshold(self.config_degree(n_min)),
+            min_survivors=s)
+        if problem:
+            raise ValueError(problem)
+        FixedPoint(scale=self.fixed_point_scale(), bits=self.bits).check_no_wrap(
+            self.value_bound, self.ring_cohort)
         self._check_buffered()
 
     def _check_buffered(self) -> None:
@@ -277,27 +298,6 @@ class RoundPolicy:
                        f"{self.cohort_size})")
         if why:
             raise ValueError("buffered rounds cannot go with " + "; ".join(why))
-        if self.secagg not in wire.SECAGG_PROTOCOLS:
-            raise ValueError(f"secagg must be one of {list(wire.SECAGG_PROTOCOLS)}, "
-                             f"got {self.secagg!r}")
-        if self.server_opt not in OPTIMIZERS:
-            raise ValueError(f"server_opt must be one of {sorted(OPTIMIZERS)}, "
-                             f"got {self.server_opt!r}")
-        k = self.config_degree(self.cohort_size)
-        t = self.config_threshold(k)
-        if not 2 * t > k or t > k:
-            raise ValueError(f"threshold must be in (degree/2, degree] = ({k / 2}, {k}], got {t}")
-        s = self.survivors_needed(self.min_cohort or self.cohort_size)
-        if not t <= s <= (self.min_cohort or self.cohort_size):
-            raise ValueError(f"min_survivors must be in [threshold={t}, min cohort], got {s}")
-        n_min = self.min_cohort or self.cohort_size  # the smallest cohort has the lowest t
-        problem = wire.colluder_problem(
-            self.max_colluders, threshold=self.config_threshold(self.config_degree(n_min)),
-            min_survivors=s)
-        if problem:
-            raise ValueError(problem)
-        FixedPoint(scale=self.fixed_point_scale(), bits=self.bits).check_no_wrap(
-            self.value_bound, self.ring_cohort)
 
     def _check_mechanism_settings(self) -> None:
         """The update-noise, ddg and binomial settings (see the class): each valid on its

@@ -206,7 +206,7 @@ def test_a_device_refuses_what_it_cannot_train_ahead_for(model) -> None:
 def test_only_device_dp_over_secagg_plus_is_buffered() -> None:
     for bad in ({"mechanism": "gaussian", "update_clip": None, "gamma": None},
                 {"secagg": "amortized"}, {"adaptive_clip_quantile": 0.5},
-                {"min_cohort": 3}):
+                {"min_cohort": 5}):
         with pytest.raises(ValueError, match="buffered rounds cannot go with"):
             _policy(**bad)
     with pytest.raises(ValueError, match="max_staleness"):
