@@ -14,8 +14,11 @@ natural setting (a member that went offline while queued then costs 15 s a stage
 curve (the mean of the last 3 models >= the target).
 
 Row fields: ``time_to`` (target -> simulated seconds, None: not reached within the
-horizon), ``rounds_per_hour``, participations and the largest device-level epsilon spent
-by the horizon (every ledger's budget is the same), ``staleness_mean``. The summary's
+horizon) and ``epsilon_at`` (the largest device-level epsilon any device had spent by
+then), ``rounds_per_hour``, participations (reservations: an update trained ahead that no
+round took is spent all the same) and the largest device-level epsilon spent by the
+horizon (every ledger's budget is the same), ``trainings`` (local rounds run: the fleet's
+compute), ``staleness_mean``. The summary's
 speedups per target are the better synchronous run's time over each buffered run's (the
 median over seeds; only seeds where both reached it).
 """
@@ -127,8 +130,8 @@ def table(rows: list[dict[str, Any]], summary: dict[str, Any], out: TextIO) -> N
           f"simulated clock ({r0['horizon_s'] / 3600:g} h horizon)", file=out)
     heads = " | ".join(f"to {t:g} s (max eps)" for t in TARGETS)
     print(f"| seed | mode | stage timeout s | rounds | rounds/h | {heads} | final acc "
-          f"| max eps (dev) | mean particip. | staleness mean |", file=out)
-    print("|" + "---|" * (9 + len(TARGETS)), file=out)
+          f"| max eps (dev) | mean particip. | trainings | staleness mean |", file=out)
+    print("|" + "---|" * (10 + len(TARGETS)), file=out)
     for r in rows:
         tt = " | ".join("-" if r["time_to"][str(t)] is None else
                         f"{r['time_to'][str(t)]:.0f} ({r['epsilon_at'][str(t)]:.1f})"
@@ -137,7 +140,7 @@ def table(rows: list[dict[str, Any]], summary: dict[str, Any], out: TextIO) -> N
         print(f"| {r['seed']} | {r['mode']} | {r['stage_timeout']:.0f} | "
               f"{r['rounds_completed']} | {r['rounds_per_hour']:.1f} | {tt} | "
               f"{r['final_accuracy']:.3f} | {r['max_device_epsilon']:.2f} | "
-              f"{r['mean_participations']:.2f} | {st} |", file=out)
+              f"{r['mean_participations']:.2f} | {r['trainings']} | {st} |", file=out)
     for timeout in ("120s", "15s"):
         parts = []
         for t, v in summary.items():
