@@ -271,6 +271,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "(several AFTER runs: their median, noise at least their spread)")
     p.add_argument("--quick", action="store_true",
                    help="fewer configurations and repetitions (all: under 10 minutes)")
+    p.add_argument("--device-budget", type=float, default=30.0,
+                   help="fedbuff: every ledger's device-level epsilon budget (nats at "
+                        "delta 1e-5; default 30)")
     p.add_argument("--json-out", help="write the rows as JSON here")
     p.add_argument("--noise", type=float,
                    help="compare: allowed relative change the wrong way (default 0.1)")
@@ -376,7 +379,8 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.what == "fedbuff":
         from tools.bench.fedbuff import run_fedbuff_bench
 
-        result = {"fedbuff": run_fedbuff_bench(quick=args.quick)}
+        result = {"fedbuff": run_fedbuff_bench(quick=args.quick,
+                                               budget=args.device_budget)}
     elif args.what == "workers":
         from tools.bench.workers import run_workers_bench
 

@@ -51,15 +51,16 @@ def time_to(curve: list[dict[str, Any]], target: float, window: int = 3) -> floa
 
 
 def run_fedbuff_bench(*, quick: bool = False, seeds: tuple[int, ...] | None = None,
+                      budget: float = 30.0,
                       out: TextIO | None = sys.stdout) -> dict[str, Any]:
     """Synchronous (60 s, 120 s stage timeouts) and buffered runs per seed (module
-    docstring); {"rows": [...], "summary": {...}}."""
+    docstring), every ledger's device-level budget ``budget`` (nats at delta 1e-5);
+    {"rows": [...], "summary": {...}}."""
     from tools.fedbuff import Availability, run_timed
     from tools.simconfig import SimConfig
 
     devices, cohort, horizon = (40, 5, 3600.0) if quick else (100, 10, 14400.0)
-    seeds = seeds if seeds is not None else ((1,) if quick else (1, 2, 3))
-    budget = 30.0
+    seeds = seeds if seeds is not None else ((1,) if quick else (1, 2, 3, 4))
     cfg = SimConfig(dataset="digits", model="logreg", devices=devices,
                     participation=cohort / devices, local_steps=10, batch_size=16, lr=0.5,
                     mechanism="device-dp", update_clip=1.0, noise_multiplier=1.0, seed=3,
