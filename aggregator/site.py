@@ -452,7 +452,9 @@ class SiteMachine:
             return self._handle(gw, topic, payload, now)
         except (RemoteProtocolError, ReplayedMessage) as e:
             self._events.append(SiteRejected(topic=topic, gateway=gw, reason=str(e)))
-            logger.warning("site %s rejected a message on %s: %s", self.policy.site, topic, e)
+            logger.warning("site %s rejected a message on %s: %s", self.policy.site, topic, e,
+                           extra={"fedge": {"event": "site_rejected", "topic": topic,
+                                            "gateway": gw, "reason": str(e)}})
         return []
 
     # ------------------------------------------------------------------ inbound
@@ -493,7 +495,10 @@ class SiteMachine:
         self._events.append(GatewayReported(round_id=msg.round_id, gateway=gw,
                                             survivors=msg.survivors, detail=msg.detail))
         logger.info("site round %d: gateway %s reported %d survivors%s", msg.round_id, gw,
-                    msg.survivors, f" ({msg.detail})" if msg.detail else "")
+                    msg.survivors, f" ({msg.detail})" if msg.detail else "",
+                    extra={"fedge": {"event": "gateway_reported", "round": msg.round_id,
+                                     "gateway": gw, "survivors": msg.survivors,
+                                     "detail": msg.detail}})
         if not self.waiting_for:
             return self._close(now, why="all gateways reported")
         return []
@@ -572,7 +577,9 @@ class SiteMachine:
         self._last_round = round_id
         self._events.append(SiteRoundStarted(round_id=round_id, model_version=self._version))
         logger.info("site round %d announced (model version %d%s)", round_id, self._version,
-                    f", {len(jobs)} jobs of {len(cohort) // max(1, len(jobs))}" if jobs else "")
+                    f", {len(jobs)} jobs of {len(cohort) // max(1, len(jobs))}" if jobs else "",
+                    extra={"fedge": {"event": "site_round_started", "round": round_id,
+                                     "model_version": self._version, "jobs": len(jobs)}})
         self._save()
         return [self._announce_publish(announce)] + [
             Publish(wire.site_job_topic(self.policy.site), wire.encode(wire.sign(
@@ -614,7 +621,13 @@ class SiteMachine:
         logger.info("site round %d %s: gateways %s, %d survivors, model version %d%s",
                     outcome.round_id, "done" if outcome.completed else "FAILED",
                     list(outcome.gateways), outcome.survivors, outcome.model_version,
-                    f" ({outcome.detail})" if outcome.detail else "")
+                    f" ({outcome.detail})" if outcome.detail else "",
+                    extra={"fedge": {"event": "site_round_ended", "round": outcome.round_id,
+                                     "completed": outcome.completed,
+                                     "gateways": list(outcome.gateways),
+                                     "survivors": outcome.survivors,
+                                     "model_version": outcome.model_version,
+                                     "detail": outcome.detail}})
         return self._maybe_start(now)
 
     # ------------------------------------------------------------------ snapshots

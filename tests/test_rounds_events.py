@@ -212,14 +212,15 @@ def test_no_event_is_lost_between_takes(tmp_path: Path, digits: Any, engine: Any
         "RoundEnded", "StageChanged"] and kinds.count("StageChanged") == 5
 
 
-def test_every_log_line_of_the_round_machine_carries_its_structured_fields() -> None:
+@pytest.mark.parametrize("module", ["rounds", "site"])
+def test_every_log_line_of_the_round_machine_carries_its_structured_fields(module) -> None:
     """The service's JSON log lines (and the tests that read them) take each record's
     ``fedge`` fields: a record without them (once, a stage's re-send) loses its event and
-    broke a filter that read ``r.fedge`` on a loaded machine."""
+    broke a filter that read ``r.fedge`` on a loaded machine. The site's machine too."""
     import ast
     from pathlib import Path
 
-    src = Path(__file__).parents[1] / "aggregator" / "rounds.py"
+    src = Path(__file__).parents[1] / "aggregator" / f"{module}.py"
     missing = []
     for node in ast.walk(ast.parse(src.read_text())):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
