@@ -189,6 +189,47 @@ def _ledger_plan(plan: RoundPlan, device: Any, key: str, m: int, honest: int) ->
                 colluders=plan.min_survivors - honest)
 
 
+def _member(device: Any, plan: RoundPlan, data: Callable[[], tuple[np.ndarray, np.ndarray]],
+            max_colluders: int) -> Declined | tuple[np.ndarray, np.ndarray, int]:
+    """The local data and r'' honest members, or why the device stays out before anything
+    is reserved (no data; too little noise for the plan's promise)."""
+    x, y = data()
+    if len(y) == 0:
+        return Declined(reason="no_data", detail="the local data set is empty")
+    honest = honest_members(plan, max_colluders=max_colluders)
+    why = device.refusal(honest=honest)
+    if why is not None:  # e.g. too few honest shares for the promised noise: nothing spent
+        return Declined(reason="noise", detail=why)
+    return x, y, honest
+
+
+def _reserve(ledger: LedgerLike, ledger_plan: Plan) -> Declined | Reservation:
+    """Check the budget, then reserve (durable when it returns): the reservation, or the
+    decline ("budget"; "ledger" for a ledger that cannot say or cannot write)."""
+    try:
+        if ledger.would_exceed(ledger_plan):  # on whichever unit has a budget
+            return Declined(reason="budget", detail=_budget_detail(ledger, ledger_plan))
+    except (LedgerError, ValueError) as e:
+        return Declined(reason="ledger", detail=str(e))
+    try:
+        return ledger.reserve(ledger_plan)
+    except (BudgetExhausted, LedgerError) as e:
+        # a full disk or read-only file system is not a spent budget: say which
+        return Declined(reason="budget" if isinstance(e, BudgetExhausted) else "ledger",
+                        detail=str(e))
+
+
+def _diverged(ledger: LedgerLike, reservation: Reservation) -> Declined:
+    """Training gave a non-finite update: the decline reveals a bit of it, and the spend,
+    reserved before training, is committed. The detail names no value from the data."""
+    try:
+        ledger.commit(reservation)
+    except LedgerError as e:  # the spend is counted either way; only the record suffers
+        logger.error("cannot commit round %s: %s", reservation.plan.round_id, e)
+    return Declined(reason="diverged", detail="local training produced a non-finite update",
+                    reservation=reservation)
+
+
 def open_round(
     plan: RoundPlan,
     *,
@@ -244,41 +285,23 @@ def open_round(
     except ValueError as e:
         raise RemoteProtocolError(f"round {plan.round_id}'s plan: {e}") from None
     device = mechanism.device(settings)
-    x, y = data()
-    if len(y) == 0:
-        return Declined(reason="no_data", detail="the local data set is empty")
-    honest = honest_members(plan, max_colluders=max_colluders)
-    why = device.refusal(honest=honest)
-    if why is not None:  # e.g. too few honest shares for the promised noise: nothing spent
-        return Declined(reason="noise", detail=why)
+    got = _member(device, plan, data, max_colluders)
+    if isinstance(got, Declined):
+        return got
+    x, y, honest = got
     ledger_plan = _ledger_plan(plan, device, key, len(y), honest)
-    try:
-        if ledger.would_exceed(ledger_plan):  # on whichever unit has a budget
-            return Declined(reason="budget", detail=_budget_detail(ledger, ledger_plan))
-    except (LedgerError, ValueError) as e:
-        return Declined(reason="ledger", detail=str(e))
     # Reserved before training: from here on every outcome (upload, "diverged" decline,
     # silence) may depend on the noisy update, and each of them is then already counted.
-    try:
-        reservation = ledger.reserve(ledger_plan)
-    except (BudgetExhausted, LedgerError) as e:
-        # a full disk or read-only file system is not a spent budget: say which
-        return Declined(reason="budget" if isinstance(e, BudgetExhausted) else "ledger",
-                        detail=str(e))
+    reservation = _reserve(ledger, ledger_plan)
+    if isinstance(reservation, Declined):
+        return reservation
     rng = round_rng(plan.round_id)
     try:
         contribution = device.contribute(params=params, data=(x, y), engine=engine,
                                          coords=coordinates(plan, dim=dim), honest=honest,
                                          rng=rng)
     except TrainingDiverged:
-        # The decline reveals a bit of the noisy update; the round was reserved before
-        # training, so it is counted. The detail names no value computed from the data.
-        try:
-            ledger.commit(reservation)
-        except LedgerError as e:  # the spend is counted either way; only the record suffers
-            logger.error("cannot commit round %s: %s", key, e)
-        return Declined(reason="diverged", detail="local training produced a non-finite "
-                                                  "update", reservation=reservation)
+        return _diverged(ledger, reservation)
     return Prepared(contribution=contribution, config=config, ledger_plan=ledger_plan,
                     reservation=reservation, honest=honest)
 
@@ -388,32 +411,23 @@ def train_ahead(
         return Declined(reason="mechanism", detail=f"{offer.mechanism!r} over "
                                                    f"{offer.secagg!r} (adaptive clipping: "
                                                    f"{adaptive}) cannot train ahead")
-    x, y = data()
-    if len(y) == 0:
-        return Declined(reason="no_data", detail="the local data set is empty")
-    honest = honest_members(template, max_colluders=max_colluders)
-    why = device.refusal(honest=honest)
-    if why is not None:
-        return Declined(reason="noise", detail=why)
+    got = _member(device, template, data, max_colluders)
+    if isinstance(got, Declined):
+        return got
+    x, y, honest = got
     try:
         key, attempt = _ahead_key(fleet, model_version, ledger)
-        ledger_plan = _ledger_plan(template, device, key, len(y), honest)
-        if ledger.would_exceed(ledger_plan):
-            return Declined(reason="budget", detail=_budget_detail(ledger, ledger_plan))
-        reservation = ledger.reserve(ledger_plan)  # before training (see the module notes)
-    except (BudgetExhausted, LedgerError, ValueError) as e:
-        return Declined(reason="budget" if isinstance(e, BudgetExhausted) else "ledger",
-                        detail=str(e))
+    except LedgerError as e:  # a broken ledger: never train
+        return Declined(reason="ledger", detail=str(e))
+    ledger_plan = _ledger_plan(template, device, key, len(y), honest)
+    reservation = _reserve(ledger, ledger_plan)  # before training (see the module notes)
+    if isinstance(reservation, Declined):
+        return reservation
     rng = round_rng(_AHEAD_RNG + model_version)
     try:
         update, loss = device.train(params=params, data=(x, y), engine=engine, rng=rng)
     except TrainingDiverged:
-        try:
-            ledger.commit(reservation)
-        except LedgerError as e:
-            logger.error("cannot commit %s: %s", key, e)
-        return Declined(reason="diverged", detail="local training produced a non-finite "
-                                                  "update", reservation=reservation)
+        return _diverged(ledger, reservation)
     return Held(offer=offer, trained_version=model_version, attempt=attempt,
                 update=update, loss=loss,
                 m=len(y), ledger_plan=ledger_plan, reservation=reservation, honest=honest)

@@ -344,14 +344,20 @@ def test_a_buffered_fleet_learns_with_one_spend_per_update(tmp_path: Path, digit
 # ----------------------------------------------------------------------- on the clock
 
 
-def test_buffered_rounds_outpace_synchronous_ones_on_the_clock(tmp_path: Path) -> None:
-    from tools.fedbuff import Availability, compare_fedbuff
+def _fleet_config(**kw: Any) -> Any:
+    """A small device-dp fleet with secure aggregation (digits + logreg)."""
     from tools.simconfig import SimConfig
 
-    cfg = SimConfig(dataset="digits", model="logreg", devices=40, participation=0.125,
-                    local_steps=5, batch_size=16, lr=0.5, mechanism="device-dp",
-                    update_clip=1.0, noise_multiplier=1.0, seed=3, secagg=True,
-                    progress=False, rounds=1)
+    return SimConfig(**{"dataset": "digits", "model": "logreg", "local_steps": 5,
+                        "batch_size": 16, "lr": 0.5, "mechanism": "device-dp",
+                        "update_clip": 1.0, "noise_multiplier": 1.0, "seed": 3,
+                        "secagg": True, "progress": False, "rounds": 1, **kw})
+
+
+def test_buffered_rounds_outpace_synchronous_ones_on_the_clock(tmp_path: Path) -> None:
+    from tools.fedbuff import Availability, compare_fedbuff
+
+    cfg = _fleet_config(devices=40, participation=0.125)
     av = Availability(online_mean_s=600, offline_mean_s=600, seed=1)
     r = compare_fedbuff(cfg, av, tmp_path, target=2.0, horizon_s=600.0,
                         device_epsilon=40.0, out=None)
@@ -370,12 +376,10 @@ def test_buffered_rounds_over_mosquitto_with_dropouts(tmp_path: Path) -> None:
     password and ACLs per device): the offer is readable on the fleet's round topic, Ready
     publishable on each device's uplink, and dropouts are recovered as in a round."""
     from tools.fleet import Fleet, data_and_engine, shard_indices
-    from tools.simconfig import SimConfig, round_policy
+    from tools.simconfig import round_policy
 
-    cfg = SimConfig(dataset="digits", model="logreg", devices=12, participation=1 / 3,
-                    local_steps=5, batch_size=16, lr=0.5, mechanism="device-dp",
-                    update_clip=1.0, noise_multiplier=0.5, seed=3, secagg=True,
-                    progress=False, rounds=3, transport="mqtt", dropout=0.25)
+    cfg = _fleet_config(devices=12, participation=1 / 3, noise_multiplier=0.5, rounds=3,
+                        transport="mqtt", dropout=0.25)
     data, eng = data_and_engine(cfg)
     sizes = [len(s) for s in shard_indices(cfg, data)]
     policy = dataclasses.replace(round_policy(cfg, sizes), buffered=True, max_staleness=2)
@@ -395,12 +399,8 @@ def test_buffered_rounds_over_mosquitto_with_dropouts(tmp_path: Path) -> None:
 def test_a_timed_run_is_a_function_of_its_seeds(tmp_path: Path) -> None:
     """Nothing measured enters the simulated clock: the same seeds, the same run."""
     from tools.fedbuff import Availability, run_timed
-    from tools.simconfig import SimConfig
 
-    cfg = SimConfig(dataset="digits", model="logreg", devices=20, participation=0.25,
-                    local_steps=3, batch_size=16, lr=0.5, mechanism="device-dp",
-                    update_clip=1.0, noise_multiplier=1.0, seed=3, secagg=True,
-                    progress=False, rounds=1)
+    cfg = _fleet_config(devices=20, participation=0.25, local_steps=3)
     av = Availability(online_mean_s=300, offline_mean_s=300, train_median_s=10, seed=4)
     runs = [run_timed(cfg, av, tmp_path / str(i), buffered=True, target=2.0,
                       horizon_s=300.0, device_epsilon=40.0) for i in range(2)]
